@@ -1,0 +1,93 @@
+"""The `kvshare` command: serve, generate, build-model, demo."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from services.config import add_settings_flags, settings_from
+from services.modelbuild.presets import DECODER_PRESETS, KVLayout
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from services.errors import ModelLoadError
+    from services.server import serve
+
+    settings = settings_from(args)
+    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stdout,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.model is None:
+        print("kvshare serve: --model DIR (or KVSHARE_MODEL) is required", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(settings))
+    except ModelLoadError as exc:
+        print(f"kvshare serve: cannot load model: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from services.client import generate_main
+
+    return generate_main(args.target, args.prompt, args.max_new_tokens, args.temperature, args.timeout_s)
+
+
+def _build_model(args: argparse.Namespace) -> int:
+    from services.modelbuild.folder import write_decoder_folder
+
+    if args.arch != "decoder":
+        print(f"kvshare build-model: --arch {args.arch} is not available yet", file=sys.stderr)
+        return 2
+    folder = write_decoder_folder(args.out_dir, args.preset, KVLayout(args.kv_layout), seed=args.seed)
+    print(folder)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from services.demo import run_demo
+
+    return run_demo(args.model, args.max_new_tokens)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvshare", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="serve a model folder over gRPC")
+    add_settings_flags(serve)
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="stream one completion from a running worker")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default="127.0.0.1:50051", help="worker host:port")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--timeout-s", type=float, default=300.0, help="call deadline in seconds")
+    gen.set_defaults(func=_generate)
+
+    build = sub.add_parser("build-model", help="write a seeded-weight model folder (ONNX Runtime GenAI layout)")
+    build.add_argument("out_dir", type=Path)
+    build.add_argument("--arch", choices=["decoder", "encoder-decoder"], default="decoder")
+    build.add_argument("--preset", choices=sorted(DECODER_PRESETS), default="tiny")
+    build.add_argument("--kv-layout", choices=[layout.value for layout in KVLayout], default=KVLayout.SEPARATE.value)
+    build.add_argument("--seed", type=int, default=0)
+    build.set_defaults(func=_build_model)
+
+    demo = sub.add_parser("demo", help="build the small model, start a worker and show shared-prompt requests")
+    demo.add_argument("--model", type=Path, default=None, help="model folder (default: build the small preset)")
+    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo.set_defaults(func=_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

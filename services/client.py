@@ -1,0 +1,61 @@
+"""A small synchronous client: what `kvshare generate` and the demo use to call a worker."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+
+
+@dataclass(slots=True)
+class Completion:
+    """A finished Generate call: the concatenated text and ids, and the last message's fields."""
+
+    text: str
+    token_ids: list[int]
+    last: pb.GenerateResponse
+    messages: int
+
+
+def stream(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None) -> Iterator[pb.GenerateResponse]:
+    yield from stub.Generate(request, timeout=timeout_s)
+
+
+def complete(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None, echo=None) -> Completion:
+    """Runs one Generate call to its end; ``echo(text)`` sees each text delta as it arrives."""
+    texts, ids, last, count = [], [], None, 0
+    for message in stream(stub, request, timeout_s):
+        texts.append(message.text)
+        ids.extend(message.token_ids)
+        last, count = message, count + 1
+        if echo is not None and message.text:
+            echo(message.text)
+    return Completion(text="".join(texts), token_ids=ids, last=last, messages=count)
+
+
+def generate_main(target: str, prompt: str, max_new_tokens: int, temperature: float, timeout_s: float) -> int:
+    """`kvshare generate`: text to stdout as it streams, usage and timings to stderr."""
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        request = pb.GenerateRequest(
+            prompt=prompt, max_new_tokens=max_new_tokens, sampling=pb.SamplingParams(temperature=temperature)
+        )
+        try:
+            done = complete(stub, request, timeout_s, echo=lambda t: print(t, end="", flush=True))
+        except grpc.RpcError as exc:
+            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    print()
+    u, t = done.last.usage, done.last.timings
+    print(
+        f"finish={pb.FinishReason.Name(done.last.finish_reason)} prompt_tokens={u.prompt_tokens} "
+        f"cached_prompt_tokens={u.cached_prompt_tokens} completion_tokens={u.completion_tokens} "
+        f"ttft_ms={t.time_to_first_token_ms:.1f} prefill_ms={t.prefill_ms:.1f} total_ms={t.total_ms:.1f}",
+        file=sys.stderr,
+    )
+    return 0

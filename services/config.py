@@ -1,0 +1,80 @@
+"""Worker configuration: one typed object, from command-line flags over ``KVSHARE_*`` variables.
+
+Precedence: a flag given on the command line, else the environment variable ``KVSHARE_<FIELD>``
+(upper-case field name), else the default below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import get_type_hints
+
+ENV_PREFIX = "KVSHARE_"
+
+
+@dataclass(slots=True)
+class Settings:
+    """Everything ``kvshare serve`` can be told. Units are in the names (ms, bytes, s)."""
+
+    model: Path | None = field(default=None, metadata={"help": "Model folder in ONNX Runtime GenAI's layout (genai_config.json, *.onnx, tokenizer.json)."})
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on; 0.0.0.0 inside a container."})
+    port: int = field(default=50051, metadata={"help": "TCP port; 0 picks a free one (the chosen port is printed)."})
+    cache_url: str = field(default="memory://", metadata={"help": "Shared KV store: memory://, redis://host:port, rediss://, unix://, redis+cluster://.", "aliases": ["--cache"]})
+    execution_provider: str = field(default="auto", metadata={"help": "auto (CUDA when onnxruntime-gpu and a GPU are present, else CPU), cpu or cuda.", "choices": ["auto", "cpu", "cuda"]})
+    intra_op_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads per run; 0 lets ONNX Runtime choose (one per physical core)."})
+    run_threads: int = field(default=4, metadata={"help": "Streams whose ONNX steps can run at once."})
+    max_new_tokens_cap: int = field(default=4096, metadata={"help": "Largest max_new_tokens a request may ask for."})
+    max_message_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "Largest gRPC request message; larger ones are refused with RESOURCE_EXHAUSTED."})
+    block_size: int = field(default=64, metadata={"help": "Tokens per shared cache block."})
+    drain_s: float = field(default=20.0, metadata={"help": "On SIGTERM, seconds in-flight streams get to finish before the server stops."})
+    log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
+
+    def apply_env(self, environ: dict[str, str] | None = None) -> Settings:
+        """Overrides fields from ``KVSHARE_*`` variables; returns self."""
+        environ = os.environ if environ is None else environ
+        hints = get_type_hints(Settings)
+        for f in fields(self):
+            raw = environ.get(ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            value = _parse(hints[f.name], raw, ENV_PREFIX + f.name.upper())
+            if "choices" in f.metadata and value not in f.metadata["choices"]:
+                raise SystemExit(f"{ENV_PREFIX}{f.name.upper()}: {raw!r} is not one of {f.metadata['choices']}")
+            setattr(self, f.name, value)
+        return self
+
+
+def _parse(kind: type, raw: str, origin: str):
+    target = Path if kind == (Path | None) else kind
+    try:
+        return target(raw)
+    except ValueError as exc:
+        raise SystemExit(f"{origin}: cannot read {raw!r} as {target.__name__}") from exc
+
+
+def add_settings_flags(parser: argparse.ArgumentParser) -> None:
+    """Adds one ``--field-name`` flag per Settings field (default None: fall through to env)."""
+    hints = get_type_hints(Settings)
+    for f in fields(Settings):
+        kind = hints[f.name]
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            *f.metadata.get("aliases", ()),
+            dest=f.name,
+            type=Path if kind == (Path | None) else kind,
+            choices=f.metadata.get("choices"),
+            default=None,
+            help=f"{f.metadata['help']} (env {ENV_PREFIX}{f.name.upper()}, default {f.default})",
+        )
+
+
+def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
+    settings = Settings().apply_env(environ)
+    for f in fields(Settings):
+        value = getattr(args, f.name, None)
+        if value is not None:
+            setattr(settings, f.name, value)
+    return settings

@@ -1,0 +1,23 @@
+"""Domain errors raised by the engine; the gRPC servicer maps each to one status code."""
+
+from __future__ import annotations
+
+
+class KVShareError(Exception):
+    """Base of the errors kvshare raises on purpose."""
+
+
+class ModelLoadError(KVShareError):
+    """The model folder cannot be served (missing file, malformed genai_config.json, bad graph)."""
+
+
+class InvalidRequest(KVShareError):
+    """A request field is malformed. ``field`` names it as the client wrote it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class RequestOutOfRange(InvalidRequest):
+    """A request asks for more than the model can hold (prompt + new tokens past the context)."""

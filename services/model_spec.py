@@ -1,0 +1,146 @@
+"""What kvshare knows about a model folder, read from its genai_config.json and ONNX file.
+
+A model folder is in ONNX Runtime GenAI's layout: ``genai_config.json`` names the ONNX file and its
+input/output names, head counts, context length and special token ids; ``tokenizer.json`` sits
+beside it. Nothing here is hard-coded per model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from services.errors import ModelLoadError
+from services.modelbuild.presets import KVLayout
+
+FINGERPRINT_VERSION = b"kvshare-model-fingerprint-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class KVNames:
+    """Per-layer names of the self-attention cache tensors.
+
+    SEPARATE layout: ``past[i] == (key_name, value_name)``; COMBINED: ``past[i] == (name,)`` with a
+    leading K/V axis of size 2.
+    """
+
+    layout: KVLayout
+    past: tuple[tuple[str, ...], ...]
+    present: tuple[tuple[str, ...], ...]
+
+    @property
+    def flat_past(self) -> list[str]:
+        return [name for layer in self.past for name in layer]
+
+    @property
+    def flat_present(self) -> list[str]:
+        return [name for layer in self.present for name in layer]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A decoder model's geometry, names and identity (all lengths in tokens)."""
+
+    name: str
+    folder: Path
+    onnx_path: Path
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    context_length: int
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    input_ids_name: str
+    attention_mask_name: str | None
+    position_ids_name: str | None
+    logits_name: str
+    kv: KVNames
+    fingerprint: str
+
+    def kv_bytes_per_token(self, element_size: int) -> int:
+        """Self-attention K/V bytes one token occupies: 2 x layers x kv_heads x head_size x element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_size
+
+
+def _kv_names(inputs: dict, outputs: dict, num_layers: int) -> KVNames:
+    if "past_names" in inputs:
+        layout = KVLayout.COMBINED
+        past = tuple((inputs["past_names"] % i,) for i in range(num_layers))
+        present = tuple((outputs["present_names"] % i,) for i in range(num_layers))
+    else:
+        layout = KVLayout.SEPARATE
+        pk = inputs.get("past_key_names", "past_key_values.%d.key")
+        pv = inputs.get("past_value_names", "past_key_values.%d.value")
+        ok = outputs.get("present_key_names", "present.%d.key")
+        ov = outputs.get("present_value_names", "present.%d.value")
+        past = tuple((pk % i, pv % i) for i in range(num_layers))
+        present = tuple((ok % i, ov % i) for i in range(num_layers))
+    return KVNames(layout=layout, past=past, present=present)
+
+
+def _model_files(folder: Path, filename: str) -> list[Path]:
+    """The ONNX file and its external-data files, in a fixed order."""
+    main = folder / filename
+    extra = sorted(p for p in folder.iterdir() if p.is_file() and p.name.startswith(filename) and p != main)
+    return [main, *extra]
+
+
+def fingerprint(files: list[Path], kv_shaping_config: dict) -> str:
+    """sha256 over the model files' bytes and the configuration that shapes the K/V (hex)."""
+    digest = hashlib.sha256(FINGERPRINT_VERSION)
+    for path in files:
+        digest.update(path.name.encode() + b"\0")
+        with path.open("rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    digest.update(json.dumps(kv_shaping_config, sort_keys=True, separators=(",", ":")).encode())
+    return digest.hexdigest()
+
+
+def load_model_spec(folder: Path) -> ModelSpec:
+    """Reads ``folder/genai_config.json``; raises ModelLoadError with the reason when unusable."""
+    config_path = folder / "genai_config.json"
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+        model = config["model"]
+        decoder = model["decoder"]
+        inputs, outputs = decoder["inputs"], decoder["outputs"]
+        num_layers = int(decoder["num_hidden_layers"])
+        num_heads = int(decoder["num_attention_heads"])
+        num_kv_heads = int(decoder.get("num_key_value_heads", num_heads))
+        head_size = int(decoder.get("head_size") or decoder["hidden_size"] // num_heads)
+        eos = model["eos_token_id"]
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
+        onnx_path = folder / decoder["filename"]
+        files = _model_files(folder, decoder["filename"])
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{exc.filename}: not found; a model folder needs genai_config.json and its ONNX file") from exc
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ModelLoadError(f"{config_path}: missing or malformed field {exc}") from exc
+    kv = _kv_names(inputs, outputs, num_layers)
+    shaping = {
+        "layers": num_layers, "heads": num_heads, "kv_heads": num_kv_heads, "head_size": head_size,
+        "layout": kv.layout.value, "past": kv.flat_past, "present": kv.flat_present,
+    }
+    return ModelSpec(
+        name=folder.resolve().name,
+        folder=folder,
+        onnx_path=onnx_path,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        context_length=int(model["context_length"]),
+        vocab_size=int(model["vocab_size"]),
+        bos_token_id=model.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        input_ids_name=inputs.get("input_ids", "input_ids"),
+        attention_mask_name=inputs.get("attention_mask"),
+        position_ids_name=inputs.get("position_ids"),
+        logits_name=outputs.get("logits", "logits"),
+        kv=kv,
+        fingerprint=fingerprint(files, shaping),
+    )

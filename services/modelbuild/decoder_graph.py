@@ -1,0 +1,161 @@
+"""Builds the ONNX graph of a seeded Llama-shaped decoder.
+
+Attention is ONNX Runtime's fused ``com.microsoft::GroupQueryAttention`` (rotary inside the op,
+positions derived from the attention mask), the same contract as ONNX Runtime GenAI's own model
+builder: inputs ``input_ids`` int64 ``[batch, seq]`` and ``attention_mask`` int64
+``[batch, past + seq]``, no ``position_ids``. The fused op was chosen over standard ops because it
+appends to the cache in place and skips the per-step concatenation and mask construction; see the
+closing note of the decode-worker issue for the measurement.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from services.modelbuild.presets import DecoderShape, KVLayout
+
+OPSET = 17
+MS_DOMAIN = "com.microsoft"
+
+
+def past_names(layout: KVLayout, layer: int) -> list[str]:
+    if layout is KVLayout.SEPARATE:
+        return [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+    return [f"past_{layer}"]
+
+
+def present_names(layout: KVLayout, layer: int) -> list[str]:
+    if layout is KVLayout.SEPARATE:
+        return [f"present.{layer}.key", f"present.{layer}.value"]
+    return [f"present_{layer}"]
+
+
+class _GraphWriter:
+    """Accumulates nodes and seeded initializers in a fixed order (so the bytes are reproducible)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def weight(self, name: str, shape: tuple[int, ...], std: float) -> str:
+        values = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        self.initializers.append(numpy_helper.from_array(values, name))
+        return name
+
+    def const(self, name: str, values: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(values, name))
+        return name
+
+    def node(self, op: str, inputs: list[str], output: str, domain: str = "", **attrs) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [output], name=output, domain=domain, **attrs))
+        return output
+
+
+def _rope_cache(shape: DecoderShape) -> tuple[np.ndarray, np.ndarray]:
+    half = shape.head_size // 2
+    inv_freq = 1.0 / (shape.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / shape.head_size))
+    angles = np.outer(np.arange(shape.context_length, dtype=np.float64), inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def build_decoder_graph(shape: DecoderShape, layout: KVLayout, seed: int) -> onnx.ModelProto:
+    """Returns the decoder as an ONNX model with seeded weights (same arguments, same bytes)."""
+    g = _GraphWriter(seed)
+    h, d, kv = shape.hidden_size, shape.head_size, shape.num_kv_heads
+    std = shape.init_std
+
+    inputs = [
+        helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+        helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", shape.vocab_size])
+    ]
+    kv_dims = ["batch_size", kv, "past_sequence_length", d]
+    present_dims = ["batch_size", kv, "total_sequence_length", d]
+    prefix = [2] if layout is KVLayout.COMBINED else []
+    for layer in range(shape.num_layers):
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, prefix + kv_dims) for n in past_names(layout, layer)]
+        outputs += [
+            helper.make_tensor_value_info(n, TensorProto.FLOAT, prefix + present_dims) for n in present_names(layout, layer)
+        ]
+
+    cos, sin = _rope_cache(shape)
+    g.const("cos_cache", cos)
+    g.const("sin_cache", sin)
+    g.const("one_i64", np.array([1], dtype=np.int64))
+    g.const("axis1", np.array([1], dtype=np.int64))
+    # GroupQueryAttention takes the per-sequence index of the last valid token and the total length.
+    mask_sum = g.node("ReduceSum", ["attention_mask", "axis1"], "mask_sum", keepdims=0)
+    seqlens = g.node("Sub", [mask_sum, "one_i64"], "seqlens_k_i64")
+    g.node("Cast", [seqlens], "seqlens_k", to=TensorProto.INT32)
+    mask_shape = g.node("Shape", ["attention_mask"], "mask_shape")
+    total = g.node("Gather", [mask_shape, "one_i64"], "total_len_1d", axis=0)
+    total_scalar = g.node("Squeeze", [total], "total_len_i64")
+    g.node("Cast", [total_scalar], "total_sequence_length", to=TensorProto.INT32)
+
+    x = g.node("Gather", [g.weight("model.embed_tokens.weight", (shape.vocab_size, h), 1.0), "input_ids"], "embeddings", axis=0)
+    for layer in range(shape.num_layers):
+        p = f"model.layers.{layer}"
+        normed = g.node(
+            "SimplifiedLayerNormalization", [x, g.const(f"{p}.input_layernorm.weight", np.ones(h, np.float32))],
+            f"{p}.attn_norm", axis=-1, epsilon=shape.rms_eps,
+        )
+        q = g.node("MatMul", [normed, g.weight(f"{p}.attn.q_proj.weight", (h, h), std)], f"{p}.q")
+        k = g.node("MatMul", [normed, g.weight(f"{p}.attn.k_proj.weight", (h, kv * d), std)], f"{p}.k")
+        v = g.node("MatMul", [normed, g.weight(f"{p}.attn.v_proj.weight", (h, kv * d), std)], f"{p}.v")
+        if layout is KVLayout.SEPARATE:
+            past_k, past_v = past_names(layout, layer)
+            present_k, present_v = present_names(layout, layer)
+        else:
+            past = past_names(layout, layer)[0]
+            past_k = g.node("Gather", [past, g.const(f"{p}.k_index", np.array(0, np.int64))], f"{p}.past_k", axis=0)
+            past_v = g.node("Gather", [past, g.const(f"{p}.v_index", np.array(1, np.int64))], f"{p}.past_v", axis=0)
+            present_k, present_v = f"{p}.present_k", f"{p}.present_v"
+        g.nodes.append(
+            helper.make_node(
+                "GroupQueryAttention",
+                [q, k, v, past_k, past_v, "seqlens_k", "total_sequence_length", "cos_cache", "sin_cache"],
+                [f"{p}.attn_out", present_k, present_v],
+                name=f"{p}.GroupQueryAttention",
+                domain=MS_DOMAIN,
+                num_heads=shape.num_heads,
+                kv_num_heads=kv,
+                do_rotary=1,
+                rotary_interleaved=0,
+            )
+        )
+        if layout is KVLayout.COMBINED:
+            axis0 = g.const(f"{p}.axis0", np.array([0], np.int64))
+            stacked = [g.node("Unsqueeze", [t, axis0], f"{t}_stacked") for t in (present_k, present_v)]
+            g.node("Concat", stacked, present_names(layout, layer)[0], axis=0)
+        o = g.node("MatMul", [f"{p}.attn_out", g.weight(f"{p}.attn.o_proj.weight", (h, h), std)], f"{p}.o")
+        x = g.node("Add", [x, o], f"{p}.attn_residual")
+        normed = g.node(
+            "SimplifiedLayerNormalization", [x, g.const(f"{p}.post_attention_layernorm.weight", np.ones(h, np.float32))],
+            f"{p}.mlp_norm", axis=-1, epsilon=shape.rms_eps,
+        )
+        gate = g.node("MatMul", [normed, g.weight(f"{p}.mlp.gate_proj.weight", (h, shape.intermediate_size), std)], f"{p}.gate")
+        up = g.node("MatMul", [normed, g.weight(f"{p}.mlp.up_proj.weight", (h, shape.intermediate_size), std)], f"{p}.up")
+        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"{p}.gate_sigmoid")], f"{p}.silu")
+        down = g.node("MatMul", [g.node("Mul", [silu, up], f"{p}.swiglu"), g.weight(f"{p}.mlp.down_proj.weight", (shape.intermediate_size, h), std)], f"{p}.down")
+        x = g.node("Add", [x, down], f"{p}.mlp_residual")
+    normed = g.node(
+        "SimplifiedLayerNormalization", [x, g.const("model.norm.weight", np.ones(h, np.float32))],
+        "final_norm", axis=-1, epsilon=shape.rms_eps,
+    )
+    # RMSNorm output has unit scale, so a head with std logit_std/sqrt(h) gives logits of std logit_std.
+    g.node("MatMul", [normed, g.weight("lm_head.weight", (h, shape.vocab_size), shape.logit_std / np.sqrt(h))], "logits")
+
+    graph = helper.make_graph(g.nodes, "kvshare_decoder", inputs, outputs, g.initializers)
+    model = helper.make_model(
+        graph,
+        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+        producer_name="kvshare",
+        producer_version="1",
+    )
+    model.ir_version = 8
+    return model

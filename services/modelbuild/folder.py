@@ -1,0 +1,77 @@
+"""Writes a model folder in ONNX Runtime GenAI's layout: genai_config.json, model.onnx, tokenizer.
+
+Everything is derived from (preset, layout, seed), so two runs write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from services.modelbuild.decoder_graph import build_decoder_graph, past_names, present_names
+from services.modelbuild.presets import DECODER_PRESETS, DecoderShape, KVLayout
+from services.modelbuild.tokenizer_build import build_tokenizer
+
+MODEL_FILE = "model.onnx"
+
+
+def genai_config(shape: DecoderShape, layout: KVLayout, bos: int, eos: int, pad: int) -> dict:
+    """The genai_config.json document: what ONNX Runtime GenAI and kvshare read to run the model."""
+    if layout is KVLayout.SEPARATE:
+        kv_inputs = {"past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
+        kv_outputs = {"present_key_names": "present.%d.key", "present_value_names": "present.%d.value"}
+    else:
+        kv_inputs, kv_outputs = {"past_names": "past_%d"}, {"present_names": "present_%d"}
+    assert past_names(layout, 0)[0] == next(iter(kv_inputs.values())) % 0
+    assert present_names(layout, 0)[0] == next(iter(kv_outputs.values())) % 0
+    return {
+        "model": {
+            "bos_token_id": bos,
+            "context_length": shape.context_length,
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": MODEL_FILE,
+                "head_size": shape.head_size,
+                "hidden_size": shape.hidden_size,
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask", **kv_inputs},
+                "outputs": {"logits": "logits", **kv_outputs},
+                "num_attention_heads": shape.num_heads,
+                "num_hidden_layers": shape.num_layers,
+                "num_key_value_heads": shape.num_kv_heads,
+            },
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "type": "llama" if layout is KVLayout.SEPARATE else "gpt2",
+            "vocab_size": shape.vocab_size,
+        },
+        "search": {
+            "diversity_penalty": 0.0,
+            "do_sample": False,
+            "early_stopping": True,
+            "length_penalty": 1.0,
+            "max_length": shape.context_length,
+            "min_length": 0,
+            "no_repeat_ngram_size": 0,
+            "num_beams": 1,
+            "num_return_sequences": 1,
+            "past_present_share_buffer": layout is KVLayout.SEPARATE,
+            "repetition_penalty": 1.0,
+            "temperature": 1.0,
+            "top_k": 1,
+            "top_p": 1.0,
+        },
+    }
+
+
+def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int = 0) -> Path:
+    """Builds the seeded decoder ``preset`` into ``out_dir`` (created) and returns the folder."""
+    shape = DECODER_PRESETS[preset]
+    tok = build_tokenizer(shape.vocab_size, seed=seed)
+    model = build_decoder_graph(shape, layout, seed=seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / MODEL_FILE).write_bytes(model.SerializeToString())
+    config = genai_config(shape, layout, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    (out_dir / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
+    (out_dir / "tokenizer.json").write_text(tok.tokenizer_json, encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(tok.tokenizer_config_json, encoding="utf-8")
+    return out_dir

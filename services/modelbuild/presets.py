@@ -1,0 +1,61 @@
+"""Shapes of the seeded models that `kvshare build-model` writes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class KVLayout(StrEnum):
+    """How a decoder graph exposes its self-attention cache.
+
+    SEPARATE: ``past_key_values.N.key`` / ``.value`` in, ``present.N.key`` / ``.value`` out,
+    each ``[batch, kv_heads, seq, head_size]``.
+    COMBINED: ``past_N`` in, ``present_N`` out, ``[2 (k, v), batch, kv_heads, seq, head_size]``.
+    """
+
+    SEPARATE = "separate"
+    COMBINED = "combined"
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderShape:
+    """A Llama-shaped decoder: RMSNorm, rotary positions, grouped-query attention, SwiGLU MLP."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    context_length: int
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-5
+    init_std: float = 0.05
+    # Standard deviation of one logit, set by scaling the output head: seeded random weights
+    # otherwise give next-token distributions so flat that greedy choices are near ties.
+    logit_std: float = 16.0
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must divide into num_heads, num_heads into num_kv_heads")
+
+
+DECODER_PRESETS: dict[str, DecoderShape] = {
+    "tiny": DecoderShape(
+        num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=176,
+        vocab_size=512, context_length=1024,
+    ),
+    "small": DecoderShape(
+        num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=704,
+        vocab_size=2048, context_length=2048,
+    ),
+    "bench": DecoderShape(
+        num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=2, intermediate_size=1408,
+        vocab_size=8000, context_length=4096,
+    ),
+}

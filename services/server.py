@@ -1,0 +1,59 @@
+"""Runs the gRPC server: Generator, grpc.health.v1 health, server reflection, graceful SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.config import Settings
+from services.engine import Engine, EngineLimits
+from services.servicer import SERVICE_NAME, GeneratorServicer
+
+log = logging.getLogger(__name__)
+
+
+async def serve(settings: Settings) -> None:
+    """Serves until SIGTERM or SIGINT; then reports NOT_SERVING and drains for ``drain_s`` seconds."""
+    engine = Engine.load(
+        settings.model,
+        EngineLimits(max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size),
+        execution_provider=settings.execution_provider,
+        intra_op_threads=settings.intra_op_threads,
+        run_threads=settings.run_threads,
+    )
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+        ]
+    )
+    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine, settings.block_size), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    # Tests and scripts read this line to learn the port when --port 0 was given.
+    print(f"kvshare listening on {settings.host}:{port}", flush=True)
+    log.info("serving %s (%s) on %s:%d", engine.spec.name, engine.session.execution_provider, settings.host, port)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: NOT_SERVING, draining for up to %.1f s", settings.drain_s)
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(settings.drain_s)
+    engine.close()
+    log.info("stopped")

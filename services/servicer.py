@@ -1,0 +1,130 @@
+"""The gRPC face of the engine: converts messages, maps domain errors to status codes, streams.
+
+It holds no generation logic. Status codes: InvalidRequest -> INVALID_ARGUMENT, RequestOutOfRange
+-> OUT_OF_RANGE, anything unexpected -> INTERNAL (a bug, logged with its traceback). Oversized
+messages never get here: gRPC refuses them with RESOURCE_EXHAUSTED.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import NoReturn
+
+import grpc
+
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.engine import Engine, FinishReason, GenerationChunk, GenerationRequest
+from services.errors import InvalidRequest, RequestOutOfRange
+from services.sampling import SamplingConfig
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+
+_FINISH = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+}
+
+
+def status_for(exc: Exception) -> grpc.StatusCode:
+    """The one place where domain errors become gRPC status codes."""
+    if isinstance(exc, RequestOutOfRange):
+        return grpc.StatusCode.OUT_OF_RANGE
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
+    code = status_for(exc)
+    message = str(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        log.error("internal error", exc_info=exc)
+        message = f"internal error: {type(exc).__name__}: {exc}"
+    await context.abort(code, message)
+
+
+def engine_request(request: pb.GenerateRequest) -> GenerationRequest:
+    sampling = request.sampling
+    return GenerationRequest(
+        prompt=request.prompt or None,
+        prompt_token_ids=list(request.prompt_token_ids) or None,
+        max_new_tokens=request.max_new_tokens,
+        sampling=SamplingConfig(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
+            seed=sampling.seed if sampling.HasField("seed") else None,
+        ),
+        stop=list(request.stop),
+        ignore_eos=request.ignore_eos,
+        request_id=request.request_id,
+        has_encoder_input=bool(
+            request.encoder_prompt or request.encoder_prompt_token_ids or request.HasField("encoder_features")
+        ),
+    )
+
+
+def response_message(chunk: GenerationChunk) -> pb.GenerateResponse:
+    message = pb.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+    if chunk.finish_reason is not None:
+        message.finish_reason = _FINISH[chunk.finish_reason]
+        u, t = chunk.usage, chunk.timings
+        message.usage.CopyFrom(pb.Usage(
+            prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,
+            completion_tokens=u.completion_tokens, encoder_cache_hit=u.encoder_cache_hit,
+        ))
+        message.timings.CopyFrom(pb.Timings(
+            time_to_first_token_ms=t.time_to_first_token_ms, prefill_ms=t.prefill_ms,
+            cache_fetch_ms=t.cache_fetch_ms, total_ms=t.total_ms,
+        ))
+    return message
+
+
+class GeneratorServicer(pb_grpc.GeneratorServicer):
+    def __init__(self, engine: Engine, block_size: int) -> None:
+        self._engine = engine
+        self._block_size = block_size
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for chunk in self._engine.generate(engine_request(request)):
+                yield response_message(chunk)
+        except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never as UNKNOWN
+            await _abort(context, exc)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        try:
+            tokenizer, vocab = self._engine.tokenizer, self._engine.spec.vocab_size
+            if request.text and request.token_ids:
+                raise InvalidRequest("text", "set either text or token_ids, not both")
+            if request.token_ids:
+                ids = list(request.token_ids)
+                for i, t in enumerate(ids):
+                    if not 0 <= t < vocab:
+                        raise InvalidRequest(f"token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
+                return pb.TokenizeResponse(token_ids=ids, text=tokenizer.decode(ids))
+            return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text), text=request.text)
+        except Exception as exc:  # noqa: BLE001
+            await _abort(context, exc)
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        spec, session = self._engine.spec, self._engine.session
+        return pb.GetModelInfoResponse(
+            name=spec.name,
+            fingerprint=spec.fingerprint,
+            num_layers=spec.num_layers,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            context_length=spec.context_length,
+            vocab_size=spec.vocab_size,
+            kv_bytes_per_token=spec.kv_bytes_per_token(session.kv_dtype.itemsize),
+            block_size=self._block_size,
+            encoder_decoder=False,
+            execution_provider=session.execution_provider,
+        )

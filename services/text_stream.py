@@ -1,0 +1,70 @@
+"""Turns a stream of generated token ids into a stream of text deltas.
+
+Invariants:
+- Concatenating every delta gives ``decode(all ids)``, cut before the first stop string.
+- No delta ends inside a UTF-8 character: a window that decodes to a trailing U+FFFD (bytes of an
+  unfinished character) is held until the character completes or the stream ends.
+- Text that could be the start of a stop string is held back until it is known not to be one, so
+  a stop string is never sent, even in part.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from services.tokenizer import TextTokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
+        self._tokenizer = tokenizer
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        # Decoding only the window ids[_prefix:] keeps each step O(window), not O(output).
+        self._prefix = 0
+        self._read = 0
+        self._unsent = ""
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Adds one token; returns the text that can be sent now (possibly empty)."""
+        self._ids.append(token_id)
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        new_text = self._tokenizer.decode(self._ids[self._prefix :])
+        if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(prefix_text):
+            return ""
+        self._prefix, self._read = self._read, len(self._ids)
+        return self._release(new_text[len(prefix_text) :], final=False)
+
+    def finish(self) -> str:
+        """Ends the stream; returns whatever text is still held."""
+        if self.stopped:
+            return ""
+        prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read])
+        tail = self._tokenizer.decode(self._ids[self._prefix :])[len(prefix_text) :]
+        self._prefix = self._read = len(self._ids)
+        return self._release(tail, final=True)
+
+    def _release(self, delta: str, final: bool) -> str:
+        self._unsent += delta
+        hits = [i for i in (self._unsent.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self._unsent = self._unsent[: min(hits)], ""
+            return out
+        hold = 0 if final else self._stop_prefix_length(self._unsent)
+        out = self._unsent[: len(self._unsent) - hold]
+        self._unsent = self._unsent[len(out) :]
+        return out
+
+    def _stop_prefix_length(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that begins some stop string."""
+        best = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if text.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
