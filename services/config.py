@@ -29,6 +29,7 @@ class Settings:
     max_new_tokens_cap: int = field(default=4096, metadata={"help": "Largest max_new_tokens a request may ask for."})
     max_message_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "Largest gRPC request message; larger ones are refused with RESOURCE_EXHAUSTED."})
     block_size: int = field(default=64, metadata={"help": "Tokens per shared cache block."})
+    not_serving_s: float = field(default=2.0, metadata={"help": "On SIGTERM, seconds to keep accepting calls while health reports NOT_SERVING, so balancers stop routing here first."})
     drain_s: float = field(default=20.0, metadata={"help": "On SIGTERM, seconds in-flight streams get to finish before the server stops."})
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
 

@@ -19,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 async def serve(settings: Settings) -> None:
-    """Serves until SIGTERM or SIGINT; then reports NOT_SERVING and drains for ``drain_s`` seconds."""
+    """Serves until SIGTERM or SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while
+    still accepting calls, and stops, giving in-flight streams ``drain_s`` seconds to finish."""
     engine = Engine.load(
         settings.model,
         EngineLimits(max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size),
@@ -52,8 +53,9 @@ async def serve(settings: Settings) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("shutting down: NOT_SERVING, draining for up to %.1f s", settings.drain_s)
+    log.info("shutting down: NOT_SERVING for %.1f s, then draining for up to %.1f s", settings.not_serving_s, settings.drain_s)
     await health_servicer.enter_graceful_shutdown()
+    await asyncio.sleep(settings.not_serving_s)
     await server.stop(settings.drain_s)
     engine.close()
     log.info("stopped")

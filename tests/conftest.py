@@ -1,0 +1,95 @@
+"""Shared fixtures: seeded model folders built once per session, real worker processes, and a
+report of the smallest top-1/top-2 logit margin that greedy comparisons relied on."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.engine import Engine, EngineLimits, GenerationRequest
+from services.modelbuild.folder import write_decoder_folder
+from services.modelbuild.presets import KVLayout
+from services.worker_process import WorkerProcess
+
+GENAI_FIXTURES = Path(__file__).parent / "fixtures" / "genai_builder"
+_margins: dict[str, float] = {}
+
+
+def record_margin(label: str, logits: np.ndarray) -> float:
+    """Notes the top-1/top-2 gap of ``logits`` under ``label``; the session prints the smallest."""
+    top2 = np.sort(logits.astype(np.float64))[-2:]
+    gap = float(top2[1] - top2[0])
+    _margins[label] = min(gap, _margins.get(label, np.inf))
+    return gap
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if _margins:
+        terminalreporter.section("smallest top-1/top-2 logit margins relied on by greedy comparisons")
+        for label, gap in sorted(_margins.items()):
+            terminalreporter.write_line(f"{label}: {gap:.4f}")
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[tuple[str, KVLayout], Path]:
+    """Seeded folders for every (preset, layout) the tests use, built lazily and once."""
+    root = tmp_path_factory.mktemp("models")
+    built: dict[tuple[str, KVLayout], Path] = {}
+
+    class Lazy(dict):
+        def __missing__(self, key):
+            preset, layout = key
+            built[key] = write_decoder_folder(root / f"{preset}-{layout}", preset, layout)
+            return built[key]
+
+    return Lazy()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(model_dirs) -> Path:
+    return model_dirs["tiny", KVLayout.SEPARATE]
+
+
+@pytest.fixture(scope="session")
+def worker(tiny_model):
+    """A real `kvshare serve` subprocess on a free loopback port, shared by the module's tests."""
+    with WorkerProcess(tiny_model, "--max-new-tokens-cap", "512", "--max-message-bytes", "65536") as w:
+        yield w
+
+
+@pytest.fixture()
+def stub(worker):
+    with grpc.insecure_channel(worker.target) as channel:
+        yield pb_grpc.GeneratorStub(channel)
+
+
+def engine_greedy(engine: Engine, prompt_ids: list[int], n: int) -> list[int]:
+    """The engine's greedy ids for ``prompt_ids``, ``n`` tokens, EOS not stopping generation."""
+
+    async def run() -> list[int]:
+        out = []
+        request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=n, ignore_eos=True)
+        async for chunk in engine.generate(request):
+            out.extend(chunk.token_ids)
+        return out
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="session")
+def load_engine():
+    engines: list[Engine] = []
+
+    def load(folder: Path) -> Engine:
+        engine = Engine.load(folder, EngineLimits(), execution_provider="cpu", intra_op_threads=2)
+        engines.append(engine)
+        return engine
+
+    yield load
+    for engine in engines:
+        engine.close()

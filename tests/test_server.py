@@ -1,0 +1,218 @@
+"""`kvshare serve` as a real subprocess, driven over gRPC on loopback."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.client import complete
+from services.modelbuild.presets import KVLayout
+from services.worker_process import WorkerProcess
+
+pytestmark = pytest.mark.subprocess
+ROOT = Path(__file__).resolve().parent.parent
+PROMPT = "The system prompt tells the assistant who it is."
+
+
+def still_serves(stub) -> None:
+    done = complete(stub, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=3, ignore_eos=True), timeout_s=30)
+    assert done.last.usage.completion_tokens == 3
+
+
+def test_stream_arrives_message_by_message(stub):
+    request = pb.GenerateRequest(request_id="r1", prompt=PROMPT, max_new_tokens=40, ignore_eos=True)
+    arrivals, messages = [], []
+    for message in stub.Generate(request, timeout=30):
+        arrivals.append(time.perf_counter())
+        messages.append(message)
+    assert len(messages) == 40
+    assert arrivals[0] < arrivals[-1]
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not m.HasField("usage") for m in messages[:-1])
+    last = messages[-1]
+    assert last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.usage.completion_tokens == 40
+    assert last.usage.prompt_tokens == len(stub.Tokenize(pb.TokenizeRequest(text=PROMPT)).token_ids)
+    assert last.usage.cached_prompt_tokens == 0
+    assert 0 < last.timings.time_to_first_token_ms <= last.timings.total_ms
+    ids = [t for m in messages for t in m.token_ids]
+    assert "".join(m.text for m in messages) == stub.Tokenize(pb.TokenizeRequest(token_ids=ids)).text
+
+
+def test_health_and_reflection(worker):
+    with grpc.insecure_channel(worker.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvshare.v1.Generator"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        services = ProtoReflectionDescriptorDatabase(channel).get_services()
+        assert "kvshare.v1.Generator" in services
+        assert "grpc.health.v1.Health" in services
+
+
+def test_model_info(stub):
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_size) == (2, 4, 2, 16)
+    assert info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert info.vocab_size == 512 and info.context_length == 1024
+    assert info.execution_provider == "CPUExecutionProvider"
+    assert len(info.fingerprint) == 64 and not info.encoder_decoder and info.block_size == 64
+
+
+def test_tokenize_both_ways(stub):
+    ids = stub.Tokenize(pb.TokenizeRequest(text="café 🙂")).token_ids
+    assert stub.Tokenize(pb.TokenizeRequest(token_ids=ids)).text == "café 🙂"
+
+
+def test_stop_string_and_eos(stub):
+    free = complete(stub, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=30, ignore_eos=True), timeout_s=30)
+    stop = free.text[5:9]
+    done = complete(stub, pb.GenerateRequest(prompt=PROMPT, max_new_tokens=30, ignore_eos=True, stop=[stop]), timeout_s=30)
+    assert done.last.finish_reason == pb.FINISH_REASON_STOP
+    assert done.text == free.text[: free.text.find(stop)]
+
+
+def test_seeded_sampling_repeats(stub):
+    def sample(seed):
+        request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=20, ignore_eos=True,
+                                     sampling=pb.SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=seed))
+        return complete(stub, request, timeout_s=30).token_ids
+
+    assert sample(5) == sample(5)
+    assert sample(5) != sample(6)
+
+
+BAD_REQUESTS = {
+    "no prompt": (pb.GenerateRequest(max_new_tokens=4), grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    "prompt and ids": (pb.GenerateRequest(prompt="x", prompt_token_ids=[5], max_new_tokens=4),
+                       grpc.StatusCode.INVALID_ARGUMENT, "prompt"),
+    "token outside vocabulary": (pb.GenerateRequest(prompt_token_ids=[5, 512], max_new_tokens=4),
+                                 grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[1]"),
+    "negative token": (pb.GenerateRequest(prompt_token_ids=[-1], max_new_tokens=4),
+                       grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0]"),
+    "beyond context": (pb.GenerateRequest(prompt_token_ids=[5] * 1000, max_new_tokens=100),
+                       grpc.StatusCode.OUT_OF_RANGE, "context length"),
+    "max_new_tokens 0": (pb.GenerateRequest(prompt="x", max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    "max_new_tokens above cap": (pb.GenerateRequest(prompt="x", max_new_tokens=513),
+                                 grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    "negative temperature": (pb.GenerateRequest(prompt="x", max_new_tokens=4, sampling=pb.SamplingParams(temperature=-0.5)),
+                             grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+    "top_p zero": (pb.GenerateRequest(prompt="x", max_new_tokens=4, sampling=pb.SamplingParams(top_p=0.0)),
+                   grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    "top_p above one": (pb.GenerateRequest(prompt="x", max_new_tokens=4, sampling=pb.SamplingParams(top_p=1.5)),
+                        grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
+    "encoder input for decoder-only": (pb.GenerateRequest(prompt="x", encoder_prompt="y", max_new_tokens=4),
+                                       grpc.StatusCode.INVALID_ARGUMENT, "encoder_prompt"),
+    "empty stop string": (pb.GenerateRequest(prompt="x", max_new_tokens=4, stop=[""]),
+                          grpc.StatusCode.INVALID_ARGUMENT, "stop[0]"),
+    # The worker fixture caps messages at 64 KiB.
+    "message over the limit": (pb.GenerateRequest(prompt="x" * 70_000, max_new_tokens=4),
+                               grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_REQUESTS))
+def test_bad_input_gets_a_clear_status_and_server_keeps_serving(stub, case):
+    request, code, field = BAD_REQUESTS[case]
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=30))
+    assert info.value.code() == code, info.value.details()
+    assert field in info.value.details()
+    still_serves(stub)
+
+
+def test_tokenize_bad_input(stub):
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Tokenize(pb.TokenizeRequest(token_ids=[9999]))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "token_ids[0]" in info.value.details()
+
+
+def test_eight_concurrent_streams_complete(stub):
+    def one(i):
+        request = pb.GenerateRequest(request_id=f"c{i}", prompt=f"{PROMPT} Number {i}.", max_new_tokens=48, ignore_eos=True)
+        return complete(stub, request, timeout_s=60)
+
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert all(r.last.finish_reason == pb.FINISH_REASON_LENGTH and len(r.token_ids) == 48 for r in results)
+
+
+def test_cancelled_stream_stops_generation(stub, worker):
+    call = stub.Generate(pb.GenerateRequest(request_id="to-cancel", prompt=PROMPT, max_new_tokens=500, ignore_eos=True))
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while not any("request to-cancel stopped after" in line for line in worker.log_lines):
+        assert time.monotonic() < deadline, "the worker did not report the cancelled stream"
+        time.sleep(0.05)
+    line = next(line for line in worker.log_lines if "request to-cancel stopped after" in line)
+    assert int(line.split("stopped after ")[1].split()[0]) < 500
+
+
+def test_expired_deadline_stops_generation(stub, worker):
+    request = pb.GenerateRequest(request_id="deadline", prompt=PROMPT, max_new_tokens=500, ignore_eos=True)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=0.1))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    deadline = time.monotonic() + 10
+    while not any("request deadline stopped after" in line for line in worker.log_lines):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    still_serves(stub)
+
+
+def test_sigterm_reports_not_serving_then_drains(model_dirs):
+    # The small model, so that the in-flight stream is still running when SIGTERM lands.
+    with WorkerProcess(model_dirs["small", KVLayout.SEPARATE], "--drain-s", "30") as w, grpc.insecure_channel(w.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        result = {}
+        started = threading.Event()
+
+        def long_call():
+            request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=1500, ignore_eos=True)
+            for m in stub.Generate(request, timeout=60):
+                started.set()
+                result["last"] = m
+        t = threading.Thread(target=long_call)
+        t.start()
+        assert started.wait(10)
+        os.kill(w.pid, signal.SIGTERM)
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 5
+        status = None
+        while time.monotonic() < deadline:
+            try:
+                status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status
+            except grpc.RpcError:
+                break
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            time.sleep(0.02)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        t.join(60)
+        assert result["last"].finish_reason == pb.FINISH_REASON_LENGTH, "the in-flight stream was drained"
+        assert w.stop() == 0
+
+
+def test_generate_cli_streams_text_and_reports_usage(worker):
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "--target", worker.target, "--max-new-tokens", "8", PROMPT],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "completion_tokens=" in proc.stderr and "ttft_ms=" in proc.stderr
+
+
+def test_serve_refuses_a_folder_without_a_model(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path), "--port", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "genai_config.json" in proc.stderr
