@@ -20,6 +20,10 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from cachestore.keys import Namespace
+from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
+from cachestore.stats import CacheStats
+from cachestore.store import KVStore
 from services.errors import InvalidRequest, RequestOutOfRange
 from services.model_spec import ModelSpec, load_model_spec
 from services.onnx_decoder import DecoderSession, KVCache
@@ -36,6 +40,15 @@ class FinishReason(Enum):
     EOS = "eos"
 
 
+@dataclass(frozen=True, slots=True)
+class CacheControl:
+    """Per-request use of the shared prefix cache."""
+
+    skip_read: bool = False
+    skip_write: bool = False
+    salt: str = ""
+
+
 @dataclass(slots=True)
 class GenerationRequest:
     """One request as the engine sees it. Exactly one of ``prompt`` / ``prompt_token_ids``."""
@@ -48,6 +61,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     request_id: str = ""
     has_encoder_input: bool = False
+    cache: CacheControl = field(default_factory=CacheControl)
 
 
 @dataclass(slots=True)
@@ -87,33 +101,65 @@ class EngineStats:
     finished: int = 0
     cancelled: int = 0
     active: int = 0
+    publishes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
-class EngineLimits:
+class EngineOptions:
     max_new_tokens_cap: int = 4096
     block_size: int = 64
+    """Tokens per shared cache block."""
+    run_threads: int = 4
+    """Streams whose ONNX steps can run at once."""
+    store_threads: int = 4
+    """Concurrent store lookups and publishes."""
+    max_pending_publishes: int = 16
+    """Publishes waiting for the store beyond this are dropped (counted), bounding memory."""
 
 
 class Engine:
     def __init__(self, spec: ModelSpec, session: DecoderSession, tokenizer: TextTokenizer,
-                 limits: EngineLimits, run_threads: int = 4) -> None:
+                 options: EngineOptions, store: KVStore, cache_stats: CacheStats) -> None:
         self.spec = spec
         self.session = session
         self.tokenizer = tokenizer
-        self.limits = limits
+        self.options = options
         self.stats = EngineStats()
-        self._executor = ThreadPoolExecutor(max_workers=run_threads, thread_name_prefix="onnx-run")
+        self.cache_stats = cache_stats
+        self.store = store
+        self.prefix = PrefixStore(
+            store, KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, session.kv_dtype), cache_stats
+        )
+        self._executor = ThreadPoolExecutor(max_workers=options.run_threads, thread_name_prefix="onnx-run")
+        self._store_executor = ThreadPoolExecutor(max_workers=options.store_threads, thread_name_prefix="kv-store")
+        self._pending_publishes: set[asyncio.Future] = set()
 
     @classmethod
-    def load(cls, model_dir: Path, limits: EngineLimits, execution_provider: str = "auto",
-             intra_op_threads: int = 0, run_threads: int = 4) -> Engine:
+    def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
+             execution_provider: str = "auto", intra_op_threads: int = 0) -> Engine:
         spec = load_model_spec(model_dir)
         session = DecoderSession(spec, execution_provider, intra_op_threads)
-        return cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), limits, run_threads)
+        return cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
+        self._store_executor.shutdown(wait=True)
+        self.store.close()
+
+    async def wait_for_publishes(self) -> None:
+        """Returns once every publish scheduled so far has reached the store (or failed)."""
+        if self._pending_publishes:
+            await asyncio.gather(*list(self._pending_publishes), return_exceptions=True)
+
+    def namespace(self, salt: str) -> Namespace:
+        """Everything this worker's prefix K/V depends on besides the tokens (DESIGN invariant 2)."""
+        return Namespace(
+            model_fingerprint=self.spec.fingerprint,
+            block_size=self.options.block_size,
+            dtype=self.session.kv_dtype.name,
+            layout=CANONICAL_LAYOUT,
+            salt=salt,
+        )
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         """Validates ``request`` and returns its prompt token ids; raises InvalidRequest."""
@@ -132,7 +178,7 @@ class Engine:
             raise InvalidRequest("prompt", "no prompt: set prompt (text) or prompt_token_ids")
         if not ids:
             raise InvalidRequest("prompt", "the prompt encodes to no tokens")
-        cap = self.limits.max_new_tokens_cap
+        cap = self.options.max_new_tokens_cap
         if not 1 <= request.max_new_tokens <= cap:
             raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap}, got {request.max_new_tokens}")
         if len(ids) + request.max_new_tokens > self.spec.context_length:
@@ -155,6 +201,38 @@ class Engine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.session.run, token_ids, cache, run_options)
 
+    async def _cached_prefix(self, ids: list[int], namespace: Namespace, control: CacheControl) -> tuple[PrefixLookup, KVCache, int]:
+        """Looks up the prompt's cached blocks and assembles the model's past from them.
+
+        Returns the lookup, the past, and how many prompt tokens it holds. At least the last
+        prompt token is always left to run, since its logits start generation: when every block
+        of the prompt is cached, the past holds all but the last token (DESIGN invariant 3).
+        """
+        loop = asyncio.get_running_loop()
+        if control.skip_read:
+            lookup = PrefixLookup(hashes=self.prefix.hashes(namespace, ids), hit_blocks=0, kv=None, fetch_ms=0.0)
+        else:
+            lookup = await loop.run_in_executor(self._store_executor, self.prefix.lookup, namespace, ids)
+        cached = min(lookup.hit_blocks * namespace.block_size, len(ids) - 1)
+        if cached == 0:
+            return lookup, self.session.empty_cache(), 0
+        return lookup, self.session.from_canonical(lookup.kv[:, :, :, :cached]), cached
+
+    def _publish_later(self, lookup: PrefixLookup, prefill: KVCache, block_size: int) -> None:
+        """Publishes the prompt's blocks the store lacked, on the store threads, off the token path."""
+        if len(self._pending_publishes) >= self.options.max_pending_publishes:
+            self.cache_stats.add(publishes_dropped=1)
+            return
+
+        def publish() -> int:
+            kv = self.session.to_canonical(prefill, len(lookup.hashes) * block_size)
+            return self.prefix.publish(lookup.hashes, kv, lookup.hit_blocks, block_size)
+
+        future = asyncio.get_running_loop().run_in_executor(self._store_executor, publish)
+        self._pending_publishes.add(future)
+        future.add_done_callback(self._pending_publishes.discard)
+        self.stats.publishes += 1
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Yields chunks until a stop condition; validation errors raise before the first chunk.
 
@@ -171,11 +249,18 @@ class Engine:
         text = TextStream(self.tokenizer, request.stop)
         usage = Usage(prompt_tokens=len(ids))
         timings = Timings()
-        cache: KVCache | None = self.session.empty_cache()
+        namespace = self.namespace(request.cache.salt)
+        cache: KVCache | None = None
         finished = False
         try:
-            logits, cache = await self._run(ids, cache, run_options)
-            timings.prefill_ms = (time.perf_counter() - t0) * 1e3
+            t_fetch = time.perf_counter()
+            lookup, cache, usage.cached_prompt_tokens = await self._cached_prefix(ids, namespace, request.cache)
+            timings.cache_fetch_ms = (time.perf_counter() - t_fetch) * 1e3
+            t_prefill = time.perf_counter()
+            logits, cache = await self._run(ids[usage.cached_prompt_tokens :], cache, run_options)
+            timings.prefill_ms = (time.perf_counter() - t_prefill) * 1e3
+            if not request.cache.skip_write and len(lookup.hashes) > lookup.hit_blocks:
+                self._publish_later(lookup, cache, namespace.block_size)
             while True:
                 token = sampler(logits)
                 usage.completion_tokens += 1

@@ -95,6 +95,26 @@ class DecoderSession:
             length=0,
         )
 
+    def to_canonical(self, cache: KVCache, tokens: int) -> np.ndarray:
+        """The first ``tokens`` of ``cache`` as one host array ``[layers, 2, kv_heads, tokens, head]``."""
+        arrays = [value.numpy() for value in cache.values]
+        if self.spec.kv.layout is KVLayout.SEPARATE:
+            layers = [np.stack([arrays[2 * i][0], arrays[2 * i + 1][0]]) for i in range(self.spec.num_layers)]
+        else:
+            layers = [a[:, 0] for a in arrays]
+        return np.stack([layer[:, :, :tokens] for layer in layers])
+
+    def from_canonical(self, kv: np.ndarray) -> KVCache:
+        """A cache holding ``kv`` (``[layers, 2, kv_heads, tokens, head]``) in the model's layout."""
+        kv = kv.astype(self.kv_dtype, copy=False)
+        if self.spec.kv.layout is KVLayout.SEPARATE:
+            arrays = [np.ascontiguousarray(kv[i, j][None]) for i in range(self.spec.num_layers) for j in (0, 1)]
+        else:
+            arrays = [np.ascontiguousarray(kv[i][:, None]) for i in range(self.spec.num_layers)]
+        return KVCache(
+            values=[ort.OrtValue.ortvalue_from_numpy(a, *self._device) for a in arrays], length=kv.shape[3]
+        )
+
     def run(self, token_ids: Sequence[int], cache: KVCache, run_options: ort.RunOptions | None = None) -> tuple[np.ndarray, KVCache]:
         """Runs ``token_ids`` after ``cache``; returns the last position's logits ``[vocab]`` (float32)
         and the cache extended by those tokens. ``cache`` itself is left as it was."""

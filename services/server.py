@@ -12,29 +12,48 @@ from grpc_reflection.v1alpha import reflection
 
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.config import Settings
-from services.engine import Engine, EngineLimits
+from cachestore.breaker import BreakerPolicy
+from cachestore.factory import StoreOptions, open_store
+from cachestore.stats import CacheStats
+from services.engine import Engine, EngineOptions
 from services.servicer import SERVICE_NAME, GeneratorServicer
 
 log = logging.getLogger(__name__)
 
 
+def store_options(settings: Settings) -> StoreOptions:
+    return StoreOptions(
+        ttl_s=settings.cache_ttl_s,
+        op_timeout_ms=settings.cache_op_timeout_ms,
+        connect_timeout_ms=settings.cache_connect_timeout_ms,
+        max_connections=settings.cache_max_connections,
+        memory_max_bytes=settings.cache_memory_bytes,
+        l1_max_bytes=settings.cache_l1_bytes,
+        breaker=BreakerPolicy(settings.breaker_failures, settings.breaker_backoff_ms, settings.breaker_max_backoff_ms),
+    )
+
+
+def load_engine(settings: Settings) -> Engine:
+    stats = CacheStats()
+    store = open_store(settings.cache_url, store_options(settings), stats)
+    log.info("cache store: %s", store.name)
+    options = EngineOptions(
+        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, run_threads=settings.run_threads
+    )
+    return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads)
+
+
 async def serve(settings: Settings) -> None:
     """Serves until SIGTERM or SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while
     still accepting calls, and stops, giving in-flight streams ``drain_s`` seconds to finish."""
-    engine = Engine.load(
-        settings.model,
-        EngineLimits(max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size),
-        execution_provider=settings.execution_provider,
-        intra_op_threads=settings.intra_op_threads,
-        run_threads=settings.run_threads,
-    )
+    engine = load_engine(settings)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
         ]
     )
-    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine, settings.block_size), server)
+    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -57,5 +76,6 @@ async def serve(settings: Settings) -> None:
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(settings.not_serving_s)
     await server.stop(settings.drain_s)
+    await engine.wait_for_publishes()
     engine.close()
     log.info("stopped")

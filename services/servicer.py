@@ -15,7 +15,7 @@ import grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.engine import Engine, FinishReason, GenerationChunk, GenerationRequest
+from services.engine import CacheControl, Engine, FinishReason, GenerationChunk, GenerationRequest
 from services.errors import InvalidRequest, RequestOutOfRange
 from services.sampling import SamplingConfig
 
@@ -66,6 +66,9 @@ def engine_request(request: pb.GenerateRequest) -> GenerationRequest:
         has_encoder_input=bool(
             request.encoder_prompt or request.encoder_prompt_token_ids or request.HasField("encoder_features")
         ),
+        cache=CacheControl(
+            skip_read=request.cache.skip_read, skip_write=request.cache.skip_write, salt=request.cache.salt
+        ),
     )
 
 
@@ -86,9 +89,8 @@ def response_message(chunk: GenerationChunk) -> pb.GenerateResponse:
 
 
 class GeneratorServicer(pb_grpc.GeneratorServicer):
-    def __init__(self, engine: Engine, block_size: int) -> None:
+    def __init__(self, engine: Engine) -> None:
         self._engine = engine
-        self._block_size = block_size
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
@@ -124,7 +126,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             context_length=spec.context_length,
             vocab_size=spec.vocab_size,
             kv_bytes_per_token=spec.kv_bytes_per_token(session.kv_dtype.itemsize),
-            block_size=self._block_size,
+            block_size=self._engine.options.block_size,
             encoder_decoder=False,
             execution_provider=session.execution_provider,
         )

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.engine import Engine, EngineLimits, GenerationRequest
+from cachestore.memory import MemoryStore
+from cachestore.stats import CacheStats
+from services.engine import Engine, EngineOptions, GenerationRequest
 from services.modelbuild.folder import write_decoder_folder
 from services.modelbuild.presets import KVLayout
 from services.worker_process import WorkerProcess
@@ -86,7 +88,8 @@ def load_engine():
     engines: list[Engine] = []
 
     def load(folder: Path) -> Engine:
-        engine = Engine.load(folder, EngineLimits(), execution_provider="cpu", intra_op_threads=2)
+        engine = Engine.load(folder, EngineOptions(), MemoryStore(64 << 20), CacheStats(),
+                             execution_provider="cpu", intra_op_threads=2)
         engines.append(engine)
         return engine
 

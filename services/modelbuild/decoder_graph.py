@@ -3,9 +3,10 @@
 Attention is ONNX Runtime's fused ``com.microsoft::GroupQueryAttention`` (rotary inside the op,
 positions derived from the attention mask), the same contract as ONNX Runtime GenAI's own model
 builder: inputs ``input_ids`` int64 ``[batch, seq]`` and ``attention_mask`` int64
-``[batch, past + seq]``, no ``position_ids``. The fused op was chosen over standard ops because it
-appends to the cache in place and skips the per-step concatenation and mask construction; see the
-closing note of the decode-worker issue for the measurement.
+``[batch, past + seq]``, no ``position_ids``. Measured against the same weights with attention from
+standard ops (bench preset, CPU, 2 threads): 1024-token prefill 0.85x the time, decode after a
+1024-token prompt 1.25-2.2x the tokens/s of the textbook graph that expands K/V heads, and the
+same graph contract as folders from GenAI's builder, so one engine path serves both.
 """
 
 from __future__ import annotations

@@ -1,0 +1,101 @@
+"""The value codec: one self-describing, checked value per cached tensor.
+
+Layout (little-endian)::
+
+    magic  b"KVSH"        4 bytes
+    version               u8
+    kind                  u8   (1 = prefix block, 2 = cross-attention K/V)
+    dtype                 u8   (1 = float32, 2 = float16, 3 = bfloat16 as raw u16)
+    ndim                  u8
+    dims                  u32 x ndim
+    owner                 32 bytes: the hash the value was stored under
+    payload length        u64 (bytes)
+    checksum              16 bytes: xxh3-128 of the payload
+    payload               raw tensor bytes, C order
+
+Blocks use the canonical layout ``[layers, 2 (k, v), kv_heads, block_tokens, head_dim]``.
+``owner`` makes a value copied under another key (another namespace, another prefix) a miss.
+The checksum guards against corruption, not attackers (it is fast: it sits on the warm path).
+Decoding never copies the payload: the tensor is a read-only view of the value's bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+import numpy as np
+import xxhash
+
+MAGIC = b"KVSH"
+VERSION = 1
+_FIXED = struct.Struct("<4sBBBB")
+_TAIL = struct.Struct("<32sQ16s")
+
+
+class ValueKind(IntEnum):
+    PREFIX_BLOCK = 1
+    CROSS_KV = 2
+
+
+_DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float16): 2}
+_DTYPE_OF = {code: dtype for dtype, code in _DTYPES.items()}
+
+
+class CodecError(ValueError):
+    """A stored value failed a check; the caller treats it as a miss and deletes it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What the reader requires of a value besides a valid checksum."""
+
+    kind: ValueKind
+    owner: bytes
+    dtype: np.dtype
+    shape: tuple[int, ...] | None = None
+    """Exact shape, or None to accept any shape (checked by the caller)."""
+
+
+def encode(kind: ValueKind, owner: bytes, tensor: np.ndarray) -> bytes:
+    """Serialises ``tensor`` (C-contiguous copy made if needed) under ``owner`` (32 bytes)."""
+    if len(owner) != 32:
+        raise ValueError("owner must be a 32-byte hash")
+    payload = np.ascontiguousarray(tensor)
+    raw = payload.data.cast("B")
+    header = _FIXED.pack(MAGIC, VERSION, int(kind), _DTYPES[payload.dtype], payload.ndim)
+    header += struct.pack(f"<{payload.ndim}I", *payload.shape)
+    header += _TAIL.pack(owner, raw.nbytes, xxhash.xxh3_128_digest(raw))
+    return header + raw.tobytes()
+
+
+def decode(value: bytes | memoryview, expected: Expected) -> np.ndarray:
+    """Checks ``value`` against ``expected`` and returns a read-only view of its tensor."""
+    view = memoryview(value)
+    try:
+        magic, version, kind, dtype_code, ndim = _FIXED.unpack_from(view, 0)
+        offset = _FIXED.size
+        shape = struct.unpack_from(f"<{ndim}I", view, offset)
+        offset += 4 * ndim
+        owner, length, checksum = _TAIL.unpack_from(view, offset)
+        offset += _TAIL.size
+    except struct.error as exc:
+        raise CodecError(f"truncated header ({len(view)} bytes)") from exc
+    if magic != MAGIC or version != VERSION:
+        raise CodecError(f"unknown format {magic!r} v{version}")
+    if kind != expected.kind:
+        raise CodecError(f"value kind {kind}, expected {int(expected.kind)}")
+    if owner != expected.owner:
+        raise CodecError("value belongs to another key")
+    dtype = _DTYPE_OF.get(dtype_code)
+    if dtype != expected.dtype:
+        raise CodecError(f"dtype code {dtype_code}, expected {expected.dtype}")
+    if expected.shape is not None and tuple(shape) != expected.shape:
+        raise CodecError(f"shape {tuple(shape)}, expected {expected.shape}")
+    payload = view[offset:]
+    if len(payload) != length or length != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
+        raise CodecError(f"payload of {len(payload)} bytes, header says {length} for shape {tuple(shape)}")
+    if xxhash.xxh3_128_digest(payload) != checksum:
+        raise CodecError("checksum mismatch")
+    return np.frombuffer(payload, dtype=dtype).reshape(shape)

@@ -1,0 +1,69 @@
+"""Block keys: a chained cryptographic hash over blocks of prompt tokens.
+
+Invariants (DESIGN.md 1-2):
+- ``h_0 = H(namespace)``, ``h_i = H(h_{i-1} || token ids of block i)``, ``H`` = BLAKE2b-256 over a
+  canonical encoding (token ids as little-endian int32). A block's hash therefore names the whole
+  prefix up to and including that block, not only the block's own tokens.
+- The namespace holds everything the tensor depends on besides the tokens: the format version,
+  the model fingerprint, the block size, the stored dtype and layout, and the request's salt. Two
+  requests share a block only when all of these are equal.
+- No ``hash()`` (salted per process) and no pickle: the same prompt gives the same keys in every
+  process on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import NewType
+
+import numpy as np
+
+BlockHash = NewType("BlockHash", bytes)
+"""32-byte digest naming one block of K/V (and, through the chain, every block before it)."""
+
+KEY_FORMAT_VERSION = 1
+KEY_PREFIX = "kvshare:v1:"
+_DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """Everything a cached tensor depends on besides the prompt tokens."""
+
+    model_fingerprint: str
+    block_size: int
+    dtype: str
+    layout: str
+    salt: str = ""
+    extra: str = ""
+    """Further inputs the K/V depends on, e.g. the encoder-input hash of an encoder-decoder model."""
+    format_version: int = KEY_FORMAT_VERSION
+
+    def digest(self) -> BlockHash:
+        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return BlockHash(hashlib.blake2b(canonical.encode(), digest_size=_DIGEST_BYTES).digest())
+
+
+def block_hashes(namespace: Namespace, token_ids: Sequence[int], max_blocks: int | None = None) -> list[BlockHash]:
+    """Chained hashes of the full blocks of ``token_ids`` (a partial last block gets none)."""
+    size = namespace.block_size
+    count = len(token_ids) // size
+    if max_blocks is not None:
+        count = min(count, max_blocks)
+    tokens = np.asarray(token_ids[: count * size], dtype="<i4")
+    previous = namespace.digest()
+    hashes: list[BlockHash] = []
+    for i in range(count):
+        h = hashlib.blake2b(previous, digest_size=_DIGEST_BYTES)
+        h.update(tokens[i * size : (i + 1) * size].tobytes())
+        previous = BlockHash(h.digest())
+        hashes.append(previous)
+    return hashes
+
+
+def block_key(block_hash: BlockHash) -> str:
+    """The store key of a block: a fixed prefix and the hash in hex."""
+    return KEY_PREFIX + "blk:" + block_hash.hex()

@@ -1,0 +1,93 @@
+"""Prefix blocks in a store: find the longest cached run of a prompt's blocks, and publish blocks.
+
+Tensors here are in the canonical layout ``[layers, 2 (k, v), kv_heads, tokens, head_dim]``; the
+engine converts to and from its model's own layout. Only full blocks are ever stored.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachestore.codec import CodecError, Expected, ValueKind, decode, encode
+from cachestore.keys import BlockHash, Namespace, block_hashes, block_key
+from cachestore.stats import CacheStats
+from cachestore.store import KVStore
+
+log = logging.getLogger(__name__)
+CANONICAL_LAYOUT = "layers,kv,kv_heads,tokens,head_dim"
+
+
+@dataclass(frozen=True, slots=True)
+class KVGeometry:
+    """Shape of one token's K/V in canonical layout, and the stored element type."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: np.dtype
+
+    def block_shape(self, block_tokens: int) -> tuple[int, int, int, int, int]:
+        return (self.num_layers, 2, self.num_kv_heads, block_tokens, self.head_dim)
+
+
+@dataclass(slots=True)
+class PrefixLookup:
+    """The cached run of a prompt's blocks, from block 0 up to the first missing or bad block."""
+
+    hashes: list[BlockHash]
+    """Chained hashes of every full block of the prompt."""
+    hit_blocks: int
+    kv: np.ndarray | None
+    """Canonical K/V of the run, ``hit_blocks * block_size`` tokens, or None when nothing hit."""
+    fetch_ms: float
+
+
+class PrefixStore:
+    def __init__(self, store: KVStore, geometry: KVGeometry, stats: CacheStats) -> None:
+        self.store = store
+        self.geometry = geometry
+        self.stats = stats
+
+    def hashes(self, namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
+        return block_hashes(namespace, token_ids)
+
+    def lookup(self, namespace: Namespace, token_ids: Sequence[int]) -> PrefixLookup:
+        """One batched read of every full block's key; the run stops at the first miss, and a
+        value that fails a check is counted, deleted, and ends the run like a miss."""
+        t0 = time.perf_counter()
+        hashes = self.hashes(namespace, token_ids)
+        keys = [block_key(h) for h in hashes]
+        values = self.store.get_many(keys) if keys else []
+        shape = self.geometry.block_shape(namespace.block_size)
+        run: list[np.ndarray] = []
+        for h, key, value in zip(hashes, keys, values, strict=True):
+            if value is None:
+                break
+            try:
+                run.append(decode(value, Expected(ValueKind.PREFIX_BLOCK, h, self.geometry.dtype, shape)))
+            except CodecError as exc:
+                self.stats.add(corrupt_values=1)
+                log.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
+                self.store.delete([key])
+                break
+            self.stats.add(bytes_read=len(value))
+        self.stats.add(block_hits=len(run), block_misses=len(hashes) - len(run))
+        kv = np.concatenate(run, axis=3) if run else None
+        return PrefixLookup(hashes=hashes, hit_blocks=len(run), kv=kv, fetch_ms=(time.perf_counter() - t0) * 1e3)
+
+    def publish(self, hashes: Sequence[BlockHash], kv: np.ndarray, first_block: int, block_size: int) -> int:
+        """Writes blocks ``first_block ..`` of ``kv`` (canonical, at least ``len(hashes)`` blocks
+        of ``block_size`` tokens) under their hashes, set-if-absent; returns how many were new."""
+        size = block_size
+        items = []
+        for i in range(first_block, len(hashes)):
+            block = kv[:, :, :, i * size : (i + 1) * size, :].astype(self.geometry.dtype, copy=False)
+            items.append((block_key(hashes[i]), encode(ValueKind.PREFIX_BLOCK, hashes[i], block)))
+        written = self.store.put_many(items)
+        self.stats.add(blocks_written=written, bytes_written=sum(len(v) for _, v in items))
+        return written

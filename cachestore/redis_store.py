@@ -1,0 +1,72 @@
+"""Redis (single server or Redis Cluster) as the shared tier, through redis-py with hiredis.
+
+One value per key, written with ``SET key value NX EX ttl`` (one atomic command: a reader never
+sees half a block), pipelined without MULTI. Reads are one ``MGET`` (split per hash slot on a
+cluster). Socket and connect timeouts bound every operation (milliseconds in the options).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import redis
+from redis.cluster import RedisCluster
+
+from cachestore.store import KVStore
+
+
+class RedisStore(KVStore):
+    """``connect`` makes the client on first use, and again after it failed, so that a worker
+    starts and serves while Redis (or the cluster's seed node) is still unreachable."""
+
+    def __init__(self, connect: Callable[[], redis.Redis | RedisCluster], ttl_s: int, name: str = "redis") -> None:
+        self._connect = connect
+        self._client_or_none: redis.Redis | RedisCluster | None = None
+        self._lock = threading.Lock()
+        self.ttl_s = ttl_s
+        self.name = name
+
+    @property
+    def _client(self) -> redis.Redis | RedisCluster:
+        if self._client_or_none is None:
+            with self._lock:
+                if self._client_or_none is None:
+                    self._client_or_none = self._connect()
+        return self._client_or_none
+
+    @property
+    def _cluster(self) -> bool:
+        return isinstance(self._client, RedisCluster)
+
+    def get(self, key: str) -> bytes | None:
+        return self._client.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        if self._cluster:
+            return self._client.mget_nonatomic(list(keys))
+        return self._client.mget(list(keys))
+
+    def put(self, key: str, value: bytes) -> bool:
+        return bool(self._client.set(key, value, nx=True, ex=self.ttl_s))
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        if not items:
+            return 0
+        pipe = self._client.pipeline(transaction=False)
+        for key, value in items:
+            pipe.set(key, value, nx=True, ex=self.ttl_s)
+        return sum(bool(r) for r in pipe.execute())
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._client.delete(*keys)
+
+    def ping(self) -> None:
+        self._client.ping()
+
+    def close(self) -> None:
+        if self._client_or_none is not None:
+            self._client_or_none.close()

@@ -1,0 +1,44 @@
+"""The store interface: byte values under string keys, batched, with loop defaults.
+
+A store knows nothing of tensors, models or gRPC. Writes are set-if-absent: a key, once written,
+names one value until it expires or is evicted, so two replicas publishing the same block at once
+store it once. Every method may raise; ``ResilientStore`` turns failures into misses.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+
+class KVStore(ABC):
+    """Abstract byte store. Batched methods loop over the single ones unless a backend overrides
+    them with something better (pipelines, MGET)."""
+
+    name: str = "store"
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value under ``key``, or None."""
+
+    @abstractmethod
+    def put(self, key: str, value: bytes) -> bool:
+        """Writes ``value`` unless ``key`` exists (atomic, one command); True if written."""
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> None:
+        """Removes ``keys`` (absent ones are ignored)."""
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        """Set-if-absent for each item; returns how many were written."""
+        return sum(self.put(k, v) for k, v in items)
+
+    def ping(self) -> None:
+        """Raises when the store cannot be reached."""
+        self.get("kvshare:ping")
+
+    def close(self) -> None:
+        """Releases connections."""

@@ -1,0 +1,46 @@
+"""A memory L1 in front of a shared L2: hot blocks are served from the worker's own memory."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cachestore.memory import MemoryStore
+from cachestore.store import KVStore
+
+
+class TieredStore(KVStore):
+    """Reads try L1 then L2 (filling L1 with what L2 had); writes go to both."""
+
+    def __init__(self, l1: MemoryStore, l2: KVStore) -> None:
+        self.l1, self.l2 = l1, l2
+        self.name = f"tiered({l1.name}+{l2.name})"
+
+    def get(self, key: str) -> bytes | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        values = self.l1.get_many(keys)
+        missing = [i for i, v in enumerate(values) if v is None]
+        if missing:
+            for i, value in zip(missing, self.l2.get_many([keys[i] for i in missing]), strict=True):
+                if value is not None:
+                    self.l1.put(keys[i], value)
+                    values[i] = value
+        return values
+
+    def put(self, key: str, value: bytes) -> bool:
+        return self.put_many([(key, value)]) > 0
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        self.l1.put_many(items)
+        return self.l2.put_many(items)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        self.l1.delete(keys)
+        self.l2.delete(keys)
+
+    def ping(self) -> None:
+        self.l2.ping()
+
+    def close(self) -> None:
+        self.l2.close()
