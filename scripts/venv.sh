@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv/ in the repository root (once) and installs kvshare with its test extras into it
+# Creates .venv/ in the repository root (once) and installs kvshare with its test and local extras into it
 # (again whenever pyproject.toml changes). Sourced by the other scripts; prints the venv's python.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +29,7 @@ stamp="$venv/.kvshare-installed"
 want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$venv/bin/python" -m pip install --quiet -e "$root[test]" >&2
+  "$venv/bin/python" -m pip install --quiet -e "$root[test,local]" >&2
   echo "$want" > "$stamp"
 fi
 echo "$venv/bin/python"

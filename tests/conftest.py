@@ -96,3 +96,28 @@ def load_engine():
     yield load
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    """A real redis-server on a free loopback port for the whole session (flushed per test)."""
+    from services.redis_process import RedisServer
+
+    with RedisServer() as server:
+        yield server
+
+
+@pytest.fixture()
+def redis_url(redis_server) -> str:
+    with redis_server.client() as c:
+        c.flushall()
+    return redis_server.url
+
+
+def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)

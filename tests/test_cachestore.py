@@ -1,0 +1,142 @@
+"""cachestore on its own: keys, codec, stores, breaker. No model involved."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cachestore.breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from cachestore.codec import CodecError, Expected, ValueKind, decode, encode
+from cachestore.factory import StoreOptions, StoreURLError, open_store
+from cachestore.keys import Namespace, block_hashes, block_key
+from cachestore.memory import MemoryStore
+from cachestore.stats import CacheStats
+from cachestore.tiered import TieredStore
+
+NS = Namespace(model_fingerprint="ab" * 32, block_size=4, dtype="float32", layout="L2HTD", salt="")
+TOKENS = list(range(100, 114))
+
+
+def test_block_keys_are_the_same_in_another_process():
+    script = (
+        "from cachestore.keys import Namespace, block_hashes;"
+        f"ns = Namespace(model_fingerprint={NS.model_fingerprint!r}, block_size=4, dtype='float32', layout='L2HTD');"
+        f"print(','.join(h.hex() for h in block_hashes(ns, {TOKENS!r})))"
+    )
+    other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True,
+                           env={"PYTHONHASHSEED": "12345", "PATH": ""}, cwd=".").stdout.strip()
+    assert other == ",".join(h.hex() for h in block_hashes(NS, TOKENS))
+
+
+def test_only_full_blocks_get_hashes_and_the_chain_carries_the_prefix():
+    hashes = block_hashes(NS, TOKENS)
+    assert len(hashes) == 3 and all(len(h) == 32 for h in hashes)
+    changed = block_hashes(NS, [999] + TOKENS[1:])
+    assert all(a != b for a, b in zip(hashes, changed)), "a change in block 0 renames every later block"
+    assert block_hashes(NS, TOKENS[:8] + [7] * 6)[:2] == hashes[:2]
+
+
+@pytest.mark.parametrize("field, value", [("salt", "tenant-b"), ("block_size", 8), ("dtype", "float16"),
+                                          ("model_fingerprint", "cd" * 32), ("layout", "other"), ("extra", "enc")])
+def test_every_namespace_field_changes_every_key(field, value):
+    other = Namespace(**{**{f: getattr(NS, f) for f in NS.__slots__}, field: value})
+    assert not set(block_hashes(NS, TOKENS)) & set(block_hashes(other, TOKENS))
+
+
+BLOCK = np.random.default_rng(0).standard_normal((2, 2, 2, 4, 8)).astype(np.float32)
+OWNER = b"o" * 32
+EXPECT = Expected(ValueKind.PREFIX_BLOCK, OWNER, np.dtype(np.float32), BLOCK.shape)
+
+
+def test_codec_round_trip_is_zero_copy():
+    value = encode(ValueKind.PREFIX_BLOCK, OWNER, BLOCK)
+    tensor = decode(value, EXPECT)
+    assert np.array_equal(tensor, BLOCK)
+    assert not tensor.flags.writeable and not tensor.flags.owndata
+
+
+@pytest.mark.parametrize("damage", ["flip payload", "flip header", "truncate", "extend", "other owner", "other kind", "empty"])
+def test_codec_rejects_damaged_values(damage):
+    value = bytearray(encode(ValueKind.PREFIX_BLOCK, OWNER, BLOCK))
+    if damage == "flip payload":
+        value[-5] ^= 0x10
+    elif damage == "flip header":
+        value[9] ^= 0x01
+    elif damage == "truncate":
+        value = value[:-3]
+    elif damage == "extend":
+        value += b"\0"
+    elif damage == "other owner":
+        value = bytearray(encode(ValueKind.PREFIX_BLOCK, b"x" * 32, BLOCK))
+    elif damage == "other kind":
+        value = bytearray(encode(ValueKind.CROSS_KV, OWNER, BLOCK))
+    else:
+        value = bytearray()
+    with pytest.raises(CodecError):
+        decode(bytes(value), EXPECT)
+
+
+def test_memory_store_is_set_if_absent_and_bounded_in_bytes():
+    store = MemoryStore(max_bytes=100)
+    assert store.put("a", b"x" * 40) and not store.put("a", b"y" * 40)
+    assert store.get("a") == b"x" * 40
+    store.put("b", b"x" * 40)
+    store.get("a")  # a is now the most recently used
+    store.put("c", b"x" * 40)
+    assert store.get_many(["a", "b", "c"]) == [b"x" * 40, None, b"x" * 40]
+    assert store.used_bytes <= 100
+    assert not store.put("huge", b"x" * 101)
+
+
+def test_tiered_store_fills_l1_from_l2():
+    l1, l2 = MemoryStore(1000), MemoryStore(1000)
+    l2.put("k", b"v")
+    tiered = TieredStore(l1, l2)
+    assert tiered.get_many(["k", "missing"]) == [b"v", None]
+    assert l1.get("k") == b"v"
+    assert tiered.put_many([("n", b"w")]) == 1 and l1.get("n") == l2.get("n") == b"w"
+
+
+def test_breaker_opens_backs_off_and_recovers():
+    now = [0.0]
+    breaker = CircuitBreaker(BreakerPolicy(failure_threshold=2, backoff_ms=100, max_backoff_ms=400), clock=lambda: now[0])
+    breaker.failure()
+    assert breaker.allow()
+    breaker.failure()
+    assert breaker.state is BreakerState.OPEN and not breaker.allow()
+    now[0] = 0.11
+    assert breaker.allow() and not breaker.allow(), "exactly one probe when half-open"
+    breaker.failure()
+    now[0] = 0.25
+    assert not breaker.allow(), "backoff doubled to 200 ms"
+    now[0] = 0.32
+    assert breaker.allow()
+    breaker.success()
+    assert breaker.state is BreakerState.CLOSED and breaker.allow()
+
+
+def test_unknown_scheme_is_refused():
+    with pytest.raises(StoreURLError):
+        open_store("memcached://x", StoreOptions(), CacheStats())
+
+
+def test_redis_store_set_nx_ttl_and_mget(redis_url, redis_server):
+    stats = CacheStats()
+    store = open_store(redis_url, StoreOptions(ttl_s=77), stats)
+    assert store.put_many([("a", b"1"), ("b", b"2")]) == 2
+    assert store.put_many([("a", b"changed"), ("c", b"3")]) == 1
+    assert store.get_many(["a", "b", "c", "d"]) == [b"1", b"2", b"3", None]
+    with redis_server.client() as c:
+        assert 0 < c.ttl("a") <= 77
+    store.close()
+
+
+def test_unreachable_redis_is_a_miss_and_opens_the_breaker():
+    stats = CacheStats()
+    store = open_store("redis://127.0.0.1:1", StoreOptions(breaker=BreakerPolicy(2, 60000, 60000)), stats)
+    for _ in range(5):
+        assert store.get_many([block_key(h) for h in block_hashes(NS, TOKENS)]) == [None] * 3
+        assert store.put_many([("k", b"v")]) == 0
+    snap = stats.snapshot()
+    assert snap["store_errors"] == 2 and snap["short_circuited"] == 8

@@ -1,0 +1,197 @@
+"""Suffix-only prefill from cached prefix blocks, in-process engines over a real redis-server."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from cachestore.factory import StoreOptions, open_store
+from cachestore.keys import block_key
+from cachestore.memory import MemoryStore
+from cachestore.prefix import KVGeometry, PrefixStore
+from cachestore.stats import CacheStats
+from conftest import GENAI_FIXTURES, record_margin
+from services.engine import CacheControl, Engine, EngineOptions, GenerationRequest
+from services.model_spec import load_model_spec
+from services.modelbuild.presets import KVLayout
+from services.onnx_decoder import DecoderSession
+
+B = 16
+TOLERANCE = 1e-4
+
+
+def make_engine(folder, store, block_size=B) -> Engine:
+    return Engine.load(folder, EngineOptions(block_size=block_size), store, CacheStats(), "cpu", 2)
+
+
+def generate(engine: Engine, ids, n=12, **cache):
+    async def run():
+        out, last = [], None
+        request = GenerationRequest(prompt_token_ids=list(ids), max_new_tokens=n, ignore_eos=True, cache=CacheControl(**cache))
+        async for chunk in engine.generate(request):
+            out += chunk.token_ids
+            last = chunk
+        await engine.wait_for_publishes()
+        return out, last
+
+    return asyncio.run(run())
+
+
+def prompt(n, seed=0, vocab=512):
+    return np.random.default_rng(seed).integers(3, vocab, size=n).tolist()
+
+
+@pytest.fixture()
+def replicas(tiny_model, redis_url):
+    """Two engines (as two replicas would be) sharing one Redis through separate clients."""
+    engines = [make_engine(tiny_model, open_store(redis_url, StoreOptions(), CacheStats())) for _ in range(2)]
+    yield engines
+    for e in engines:
+        e.close()
+
+
+FOLDERS = [("tiny", KVLayout.SEPARATE), ("tiny", KVLayout.COMBINED), ("small", KVLayout.SEPARATE),
+           ("small", KVLayout.COMBINED), ("genai-builder", "llama-fp32"), ("genai-builder", "llama-int4")]
+
+
+@pytest.mark.parametrize("preset, layout", FOLDERS)
+def test_cached_prefix_prefill_matches_cold_prefill(model_dirs, redis_url, preset, layout):
+    folder = GENAI_FIXTURES / layout if preset == "genai-builder" else model_dirs[preset, layout]
+    spec = load_model_spec(folder)
+    session = DecoderSession(spec, "cpu", 2)
+    engine = make_engine(folder, open_store(redis_url, StoreOptions(), CacheStats()), block_size=B)
+    ids = prompt(5 * B + 7, vocab=spec.vocab_size)[: min(5 * B + 7, spec.context_length - 1)]
+    ns = engine.namespace("")
+    prefix = PrefixStore(engine.store, KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, session.kv_dtype), CacheStats())
+    cold_logits, cold_cache = session.run(ids, session.empty_cache())
+    hashes = prefix.hashes(ns, ids)
+    prefix.publish(hashes, session.to_canonical(cold_cache, len(hashes) * B), 0, B)
+    lookup = prefix.lookup(ns, ids)
+    assert lookup.hit_blocks == 5
+    warm_logits, warm_cache = session.run(ids[5 * B:], session.from_canonical(lookup.kv))
+    record_margin(f"cached vs cold prefill ({preset}, {layout})", cold_logits)
+    assert np.max(np.abs(warm_logits - cold_logits)) <= TOLERANCE
+    assert int(np.argmax(warm_logits)) == int(np.argmax(cold_logits))
+    assert np.max(np.abs(session.to_canonical(warm_cache, len(ids)) - session.to_canonical(cold_cache, len(ids)))) <= TOLERANCE
+    engine.close()
+
+
+@pytest.mark.parametrize("length", [B - 1, B, B + 1, 3 * B - 1, 3 * B, 3 * B + 1])
+def test_prompt_lengths_around_block_multiples(replicas, length):
+    a, b = replicas
+    ids = prompt(length, seed=length)
+    cold, _ = generate(b, ids, skip_read=True, skip_write=True)
+    first, last_a = generate(a, ids)
+    assert last_a.usage.cached_prompt_tokens == 0
+    second, last_b = generate(b, ids)
+    full_blocks = length // B
+    # Fully cached prompts still run their last token (DESIGN invariant 3).
+    assert last_b.usage.cached_prompt_tokens == min(full_blocks * B, length - 1)
+    assert first == second == cold
+
+
+def test_longer_prompt_reuses_a_shorter_prompts_blocks(replicas):
+    a, b = replicas
+    system = prompt(4 * B + 5, seed=1)
+    generate(a, system + prompt(9, seed=2))
+    answer, last = generate(b, system + prompt(11, seed=3))
+    assert last.usage.cached_prompt_tokens == 4 * B
+    assert answer == generate(b, system + prompt(11, seed=3), skip_read=True)[0]
+
+
+def _corrupt(client, key, how):
+    value = client.get(key)
+    if how == "flip":
+        damaged = bytearray(value)
+        damaged[len(damaged) // 2] ^= 0x01
+        client.set(key, bytes(damaged))
+    elif how == "truncate":
+        client.set(key, value[: len(value) - 100])
+    elif how == "delete":
+        client.delete(key)
+
+
+@pytest.mark.parametrize("how", ["delete", "flip", "truncate", "foreign"])
+def test_gap_or_bad_block_in_the_middle_stops_reuse_there(replicas, redis_server, how):
+    a, b = replicas
+    ids = prompt(6 * B + 3, seed=9)
+    cold, _ = generate(b, ids, skip_read=True, skip_write=True)
+    generate(a, ids)
+    keys = [block_key(h) for h in a.prefix.hashes(a.namespace(""), ids)]
+    with redis_server.client() as client:
+        if how == "foreign":
+            # A well-formed value from another namespace (salt) copied under this namespace's key.
+            generate(a, ids, salt="other-tenant")
+            foreign = client.get(block_key(a.prefix.hashes(a.namespace("other-tenant"), ids)[3]))
+            client.set(keys[3], foreign)
+        else:
+            _corrupt(client, keys[3], how)
+        answer, last = generate(b, ids, skip_write=True)
+        assert last.usage.cached_prompt_tokens == 3 * B
+        assert answer == cold
+        if how != "delete":
+            assert b.cache_stats.corrupt_values == 1
+            assert client.get(keys[3]) is None, "a bad value is deleted"
+
+
+def test_salts_never_share_blocks(replicas):
+    a, b = replicas
+    ids = prompt(5 * B, seed=4)
+    generate(a, ids, salt="tenant-x")
+    assert generate(b, ids, salt="tenant-y")[1].usage.cached_prompt_tokens == 0
+    assert generate(b, ids, salt="tenant-x")[1].usage.cached_prompt_tokens == 5 * B - 1
+
+
+def test_skip_read_and_skip_write(replicas, redis_server):
+    a, b = replicas
+    ids = prompt(4 * B + 1, seed=5)
+    generate(a, ids, skip_write=True)
+    with redis_server.client() as client:
+        assert client.dbsize() == 0
+    generate(a, ids)
+    assert generate(b, ids, skip_read=True)[1].usage.cached_prompt_tokens == 0
+    assert generate(b, ids)[1].usage.cached_prompt_tokens == 4 * B
+
+
+class SlowWrites(MemoryStore):
+    """A memory store whose writes take ``delay_s``: stands for a slow or overloaded store."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(1 << 30)
+        self.delay_s = delay_s
+        self.writes_finished = 0
+
+    def put_many(self, items):
+        time.sleep(self.delay_s)
+        written = super().put_many(items)
+        self.writes_finished += 1
+        return written
+
+
+def test_publishing_does_not_delay_the_first_token(tiny_model):
+    delay_s = 2.0
+    store = SlowWrites(delay_s)
+    engine = make_engine(tiny_model, store)
+    ids = prompt(8 * B + 3, seed=6)
+
+    async def first_token_then_rest(request):
+        t0 = time.perf_counter()
+        stream = engine.generate(request)
+        first = await stream.__anext__()
+        ttft = time.perf_counter() - t0
+        async for _ in stream:
+            pass
+        return first, ttft
+
+    async def scenario():
+        request = GenerationRequest(prompt_token_ids=ids, max_new_tokens=4, ignore_eos=True)
+        first, ttft = await first_token_then_rest(request)
+        assert store.writes_finished == 0, "the write was still in flight when the stream ended"
+        await engine.wait_for_publishes()
+        return ttft
+
+    ttft = asyncio.run(scenario())
+    assert ttft < delay_s / 4, f"first token after {ttft * 1e3:.0f} ms with {delay_s * 1e3:.0f} ms writes"
+    assert store.writes_finished == 1
+    engine.close()
