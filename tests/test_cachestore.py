@@ -140,3 +140,25 @@ def test_unreachable_redis_is_a_miss_and_opens_the_breaker():
         assert store.put_many([("k", b"v")]) == 0
     snap = stats.snapshot()
     assert snap["store_errors"] == 2 and snap["short_circuited"] == 8
+
+
+def test_unix_socket_and_tiered_urls(tmp_path):
+    from services.redis_process import RedisServer
+
+    socket_path = tmp_path / "redis.sock"
+    with RedisServer(extra_args=("--unixsocket", str(socket_path), "--unixsocketperm", "700")) as server:
+        unix = open_store(f"unix://{socket_path}", StoreOptions(), CacheStats())
+        assert unix.put("k", b"v") and unix.get("k") == b"v"
+        tiered = open_store(f"tiered+{server.url}", StoreOptions(), CacheStats())
+        assert tiered.name == "tiered(memory+redis)"
+        assert tiered.get_many(["k"]) == [b"v"] and tiered.l1.get("k") == b"v"
+        unix.close()
+        tiered.close()
+
+
+def test_one_log_line_per_failure_burst(caplog):
+    store = open_store("redis://127.0.0.1:1", StoreOptions(breaker=BreakerPolicy(100, 1, 1)), CacheStats())
+    with caplog.at_level("WARNING", logger="cachestore.resilient"):
+        for _ in range(10):
+            store.get_many(["a"])
+    assert len(caplog.records) == 1 and "computing instead" in caplog.records[0].getMessage()
