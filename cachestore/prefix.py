@@ -41,10 +41,13 @@ class PrefixLookup:
 
     hashes: list[BlockHash]
     """Chained hashes of every full block of the prompt."""
-    hit_blocks: int
-    kv: np.ndarray | None
-    """Canonical K/V of the run, ``hit_blocks * block_size`` tokens, or None when nothing hit."""
+    blocks: list[np.ndarray]
+    """Canonical K/V of each block of the run: read-only views of the fetched values, no copy."""
     fetch_ms: float
+
+    @property
+    def hit_blocks(self) -> int:
+        return len(self.blocks)
 
 
 class PrefixStore:
@@ -77,8 +80,7 @@ class PrefixStore:
                 break
             self.stats.add(bytes_read=len(value))
         self.stats.add(block_hits=len(run), block_misses=len(hashes) - len(run))
-        kv = np.concatenate(run, axis=3) if run else None
-        return PrefixLookup(hashes=hashes, hit_blocks=len(run), kv=kv, fetch_ms=(time.perf_counter() - t0) * 1e3)
+        return PrefixLookup(hashes=hashes, blocks=run, fetch_ms=(time.perf_counter() - t0) * 1e3)
 
     def publish(self, hashes: Sequence[BlockHash], kv: np.ndarray, first_block: int, block_size: int) -> int:
         """Writes blocks ``first_block ..`` of ``kv`` (canonical, at least ``len(hashes)`` blocks

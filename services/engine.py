@@ -201,7 +201,8 @@ class Engine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self.session.run, token_ids, cache, run_options)
 
-    async def _cached_prefix(self, ids: list[int], namespace: Namespace, control: CacheControl) -> tuple[PrefixLookup, KVCache, int]:
+    async def _cached_prefix(self, ids: list[int], namespace: Namespace, control: CacheControl,
+                             capacity: int) -> tuple[PrefixLookup, KVCache, int]:
         """Looks up the prompt's cached blocks and assembles the model's past from them.
 
         Returns the lookup, the past, and how many prompt tokens it holds. At least the last
@@ -210,13 +211,13 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         if control.skip_read:
-            lookup = PrefixLookup(hashes=self.prefix.hashes(namespace, ids), hit_blocks=0, kv=None, fetch_ms=0.0)
+            lookup = PrefixLookup(hashes=self.prefix.hashes(namespace, ids), blocks=[], fetch_ms=0.0)
         else:
             lookup = await loop.run_in_executor(self._store_executor, self.prefix.lookup, namespace, ids)
         cached = min(lookup.hit_blocks * namespace.block_size, len(ids) - 1)
         if cached == 0:
-            return lookup, self.session.empty_cache(), 0
-        return lookup, self.session.from_canonical(lookup.kv[:, :, :, :cached]), cached
+            return lookup, self.session.empty_cache(capacity), 0
+        return lookup, self.session.cache_from_blocks(lookup.blocks, cached, capacity), cached
 
     def _publish_later(self, lookup: PrefixLookup, prefill: KVCache, block_size: int) -> None:
         """Publishes the prompt's blocks the store lacked, on the store threads, off the token path."""
@@ -254,7 +255,9 @@ class Engine:
         finished = False
         try:
             t_fetch = time.perf_counter()
-            lookup, cache, usage.cached_prompt_tokens = await self._cached_prefix(ids, namespace, request.cache)
+            lookup, cache, usage.cached_prompt_tokens = await self._cached_prefix(
+                ids, namespace, request.cache, capacity=len(ids) + request.max_new_tokens
+            )
             timings.cache_fetch_ms = (time.perf_counter() - t_fetch) * 1e3
             t_prefill = time.perf_counter()
             logits, cache = await self._run(ids[usage.cached_prompt_tokens :], cache, run_options)

@@ -59,6 +59,8 @@ class ModelSpec:
     position_ids_name: str | None
     logits_name: str
     kv: KVNames
+    past_present_share_buffer: bool
+    """genai_config's search.past_present_share_buffer: the graph can append K/V in place."""
     fingerprint: str
 
     def kv_bytes_per_token(self, element_size: int) -> int:
@@ -142,5 +144,6 @@ def load_model_spec(folder: Path) -> ModelSpec:
         position_ids_name=inputs.get("position_ids"),
         logits_name=outputs.get("logits", "logits"),
         kv=kv,
+        past_present_share_buffer=bool(config.get("search", {}).get("past_present_share_buffer", False)),
         fingerprint=fingerprint(files, shaping),
     )

@@ -1,8 +1,11 @@
 """One ONNX Runtime session of a decoder model, run one step at a time with a KV cache.
 
 The session is shared by every stream on a worker (``InferenceSession.run*`` is thread-safe); the
-cache of each stream lives in its own ``KVCache``. Presents are bound as device outputs and fed
-back as the next step's past without a host round trip, so K/V stays on the GPU under CUDA.
+cache of each stream lives in its own ``KVCache``. Where the graph allows it (genai_config's
+``past_present_share_buffer``, separate K/V tensors: GroupQueryAttention appends in place), past and
+present are one pre-sized buffer per tensor, bound as both input and output, so a step copies no
+K/V at all. Otherwise presents are bound as device outputs and fed back as the next past. Either
+way K/V stays on the device between steps.
 """
 
 from __future__ import annotations
@@ -34,11 +37,32 @@ _ORT_TYPES = {
 class KVCache:
     """Past self-attention K/V of one sequence, in the model's past-input order.
 
-    ``values`` are OrtValues on the session's device; ``length`` is how many tokens they hold.
+    ``values`` are OrtValues on the session's device holding ``length`` tokens. With a shared
+    buffer their sequence axis has room for ``capacity`` tokens and steps write into them in place;
+    without, ``capacity == length`` and every step returns new tensors.
     """
 
     values: list[ort.OrtValue]
     length: int
+    capacity: int
+    binding: ort.IOBinding | None = None
+    """Shared-buffer mode: the stream's binding, past and present bound once for all its steps."""
+    step_logits: np.ndarray | None = None
+    """Shared-buffer mode: host buffer ``[1, 1, vocab]`` bound as the logits of one-token steps."""
+
+
+def _aligned_zeros(shape: list[int], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+    """Zeros whose data starts on an ``alignment``-byte boundary.
+
+    ONNX Runtime's CPU kernels read K/V faster from 64-byte aligned memory than from numpy's
+    default 16-byte alignment (measured: decode tokens/s). np.zeros maps fresh zero pages lazily,
+    so a large capacity costs nothing until it is written.
+    """
+    dtype = np.dtype(dtype)
+    count = int(np.prod(shape))
+    raw = np.zeros(count + alignment // dtype.itemsize, dtype=dtype)
+    offset = (-raw.ctypes.data % alignment) // dtype.itemsize
+    return raw[offset : offset + count].reshape(shape)
 
 
 def choose_providers(requested: str) -> list[str]:
@@ -75,7 +99,12 @@ class DecoderSession:
         self._mask_dtype = _ORT_TYPES[types[spec.attention_mask_name]] if spec.attention_mask_name in types else None
         self._pos_dtype = _ORT_TYPES[types[spec.position_ids_name]] if spec.position_ids_name in types else None
         self.kv_dtype = np.dtype(_ORT_TYPES[types[spec.kv.flat_past[0]]])
-        log.info("model %s on %s (kv %s, layout %s)", spec.name, self.execution_provider, self.kv_dtype, spec.kv.layout)
+        self.shares_buffer = spec.past_present_share_buffer and spec.kv.layout is KVLayout.SEPARATE
+        logits = next(o for o in self._session.get_outputs() if o.name == spec.logits_name)
+        self._logits_rank = len(logits.shape)
+        self._logits_dtype = _ORT_TYPES[logits.type]
+        log.info("model %s on %s (kv %s, layout %s, shared past/present buffer: %s)", spec.name,
+                 self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer)
 
     def _check_names(self, input_types: dict[str, str]) -> None:
         outputs = {o.name for o in self._session.get_outputs()}
@@ -84,57 +113,97 @@ class DecoderSession:
         if missing:
             raise ModelLoadError(f"{self.spec.onnx_path}: genai_config.json names tensors the graph lacks: {missing}")
 
-    def empty_cache(self) -> KVCache:
-        """A cache holding no tokens, in the model's own layout."""
-        shape = [1, self.spec.num_kv_heads, 0, self.spec.head_size]
+    def _host_buffers(self, capacity: int) -> list[np.ndarray]:
+        shape = [1, self.spec.num_kv_heads, capacity, self.spec.head_size]
         if self.spec.kv.layout is KVLayout.COMBINED:
             shape = [2, *shape]
-        empty = np.zeros(shape, dtype=self.kv_dtype)
-        return KVCache(
-            values=[ort.OrtValue.ortvalue_from_numpy(empty, *self._device) for _ in self.spec.kv.flat_past],
-            length=0,
-        )
+        return [_aligned_zeros(shape, self.kv_dtype) for _ in self.spec.kv.flat_past]
+
+    def _layer_views(self, arrays: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per layer, the (K, V) views ``[kv_heads, tokens, head]`` of the model-layout arrays."""
+        if self.spec.kv.layout is KVLayout.SEPARATE:
+            return [(arrays[2 * i][0], arrays[2 * i + 1][0]) for i in range(self.spec.num_layers)]
+        return [(a[0, 0], a[1, 0]) for a in arrays]
+
+    def _to_device(self, arrays: list[np.ndarray], length: int, capacity: int) -> KVCache:
+        # On CPU the OrtValue wraps the numpy memory; on CUDA this is the one host-to-device copy.
+        values = [ort.OrtValue.ortvalue_from_numpy(a, *self._device) for a in arrays]
+        return KVCache(values=values, length=length, capacity=capacity)
+
+    def empty_cache(self, capacity: int) -> KVCache:
+        """A cache holding no tokens; with a shared buffer, room for ``capacity`` tokens."""
+        capacity = capacity if self.shares_buffer else 0
+        return self._to_device(self._host_buffers(capacity), 0, capacity)
+
+    def cache_from_blocks(self, blocks: Sequence[np.ndarray], tokens: int, capacity: int = 0) -> KVCache:
+        """A cache holding the first ``tokens`` tokens of ``blocks`` (each canonical
+        ``[layers, 2, kv_heads, block_tokens, head]``), copied straight into the model's buffers."""
+        capacity = max(capacity, tokens) if self.shares_buffer else tokens
+        arrays = self._host_buffers(capacity)
+        views = self._layer_views(arrays)
+        offset = 0
+        for block in blocks:
+            n = min(block.shape[3], tokens - offset)
+            if n <= 0:
+                break
+            for layer, (k, v) in enumerate(views):
+                k[:, offset : offset + n] = block[layer, 0, :, :n]
+                v[:, offset : offset + n] = block[layer, 1, :, :n]
+            offset += n
+        return self._to_device(arrays, tokens, capacity)
 
     def to_canonical(self, cache: KVCache, tokens: int) -> np.ndarray:
         """The first ``tokens`` of ``cache`` as one host array ``[layers, 2, kv_heads, tokens, head]``."""
-        arrays = [value.numpy() for value in cache.values]
-        if self.spec.kv.layout is KVLayout.SEPARATE:
-            layers = [np.stack([arrays[2 * i][0], arrays[2 * i + 1][0]]) for i in range(self.spec.num_layers)]
-        else:
-            layers = [a[:, 0] for a in arrays]
-        return np.stack([layer[:, :, :tokens] for layer in layers])
+        views = self._layer_views([value.numpy() for value in cache.values])
+        return np.stack([np.stack([k[:, :tokens], v[:, :tokens]]) for k, v in views])
 
-    def from_canonical(self, kv: np.ndarray) -> KVCache:
-        """A cache holding ``kv`` (``[layers, 2, kv_heads, tokens, head]``) in the model's layout."""
-        kv = kv.astype(self.kv_dtype, copy=False)
-        if self.spec.kv.layout is KVLayout.SEPARATE:
-            arrays = [np.ascontiguousarray(kv[i, j][None]) for i in range(self.spec.num_layers) for j in (0, 1)]
-        else:
-            arrays = [np.ascontiguousarray(kv[i][:, None]) for i in range(self.spec.num_layers)]
-        return KVCache(
-            values=[ort.OrtValue.ortvalue_from_numpy(a, *self._device) for a in arrays], length=kv.shape[3]
-        )
+    def _new_binding(self, cache: KVCache) -> ort.IOBinding:
+        """A binding with the cache bound; in shared-buffer mode it is kept for the stream's steps."""
+        binding = self._session.io_binding()
+        for name, value in zip(self.spec.kv.flat_past, cache.values, strict=True):
+            binding.bind_ortvalue_input(name, value)
+        # Logits first, so that they are output 0 however often they are bound again.
+        binding.bind_output(self.spec.logits_name, "cpu")
+        for name, value in zip(self.spec.kv.flat_present, cache.values, strict=True):
+            if self.shares_buffer:
+                binding.bind_ortvalue_output(name, value)
+            else:
+                binding.bind_output(name, *self._device)
+        if self.shares_buffer:
+            cache.binding = binding
+            if self._logits_rank == 3:
+                cache.step_logits = np.empty((1, 1, self.spec.vocab_size), dtype=self._logits_dtype)
+        return binding
 
     def run(self, token_ids: Sequence[int], cache: KVCache, run_options: ort.RunOptions | None = None) -> tuple[np.ndarray, KVCache]:
         """Runs ``token_ids`` after ``cache``; returns the last position's logits ``[vocab]`` (float32)
-        and the cache extended by those tokens. ``cache`` itself is left as it was."""
+        and the cache extended by those tokens. With a shared buffer the returned cache is the same
+        buffer written in place (tokens before ``cache.length`` are never touched); without, a new
+        one, and ``cache`` is left as it was."""
         n = len(token_ids)
         total = cache.length + n
-        binding = self._session.io_binding()
+        if self.shares_buffer and total > cache.capacity:
+            raise ValueError(f"{total} tokens exceed the cache's capacity of {cache.capacity}")
+        binding = cache.binding or self._new_binding(cache)
         binding.bind_cpu_input(self.spec.input_ids_name, np.asarray([token_ids], dtype=self._ids_dtype))
         if self._mask_dtype is not None:
             binding.bind_cpu_input(self.spec.attention_mask_name, np.ones((1, total), dtype=self._mask_dtype))
         if self._pos_dtype is not None:
             positions = np.arange(cache.length, total, dtype=self._pos_dtype)[None, :]
             binding.bind_cpu_input(self.spec.position_ids_name, positions)
-        for name, value in zip(self.spec.kv.flat_past, cache.values, strict=True):
-            binding.bind_ortvalue_input(name, value)
-        binding.bind_output(self.spec.logits_name, "cpu")
-        for name in self.spec.kv.flat_present:
-            binding.bind_output(name, *self._device)
+        one_step = n == 1 and cache.step_logits is not None
+        if one_step:
+            binding.bind_output(self.spec.logits_name, "cpu", 0, cache.step_logits.dtype.type, list(cache.step_logits.shape),
+                                cache.step_logits.ctypes.data)
+        else:
+            binding.bind_output(self.spec.logits_name, "cpu")
         self._session.run_with_iobinding(binding, run_options)
+        if self.shares_buffer:
+            logits = cache.step_logits if one_step else binding.get_outputs()[0].numpy()
+            # Some graphs emit logits for every position, others only for the last one.
+            last = logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32)
+            return last, KVCache(cache.values, total, cache.capacity, binding, cache.step_logits)
         outputs = binding.get_outputs()
         logits = outputs[0].numpy()
-        # Some graphs emit logits for every position, others only for the last one.
         last = logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32, copy=False)
-        return last, KVCache(values=list(outputs[1:]), length=total)
+        return last, KVCache(values=list(outputs[1:]), length=total, capacity=total)

@@ -37,7 +37,7 @@ def genai_greedy(folder: Path, prompt_ids: list[int], n: int) -> list[int]:
 
 def margins_along(engine, prompt_ids: list[int], generated: list[int], label: str) -> None:
     session = engine.session
-    logits, cache = session.run(prompt_ids, session.empty_cache())
+    logits, cache = session.run(prompt_ids, session.empty_cache(len(prompt_ids) + len(generated)))
     for token in generated:
         record_margin(label, logits)
         logits, cache = session.run([token], cache)

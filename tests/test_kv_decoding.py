@@ -20,10 +20,10 @@ def test_cached_decoding_matches_full_recompute(model_dirs, preset, layout):
     session = DecoderSession(load_model_spec(model_dirs[preset, layout]), "cpu", intra_op_threads=2)
     rng = np.random.default_rng(7)
     sequence = rng.integers(3, shape.vocab_size, size=11).tolist()
-    logits, cache = session.run(sequence, session.empty_cache())
+    logits, cache = session.run(sequence, session.empty_cache(len(sequence) + STEPS))
     worst = 0.0
     for step in range(STEPS):
-        cold, _ = session.run(sequence, session.empty_cache())
+        cold, _ = session.run(sequence, session.empty_cache(len(sequence)))
         worst = max(worst, float(np.max(np.abs(cold - logits))))
         record_margin(f"kv cache vs recompute ({preset}, {layout})", cold)
         token = int(np.argmax(logits))

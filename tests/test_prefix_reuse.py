@@ -64,12 +64,12 @@ def test_cached_prefix_prefill_matches_cold_prefill(model_dirs, redis_url, prese
     ids = prompt(5 * B + 7, vocab=spec.vocab_size)[: min(5 * B + 7, spec.context_length - 1)]
     ns = engine.namespace("")
     prefix = PrefixStore(engine.store, KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, session.kv_dtype), CacheStats())
-    cold_logits, cold_cache = session.run(ids, session.empty_cache())
+    cold_logits, cold_cache = session.run(ids, session.empty_cache(len(ids)))
     hashes = prefix.hashes(ns, ids)
     prefix.publish(hashes, session.to_canonical(cold_cache, len(hashes) * B), 0, B)
     lookup = prefix.lookup(ns, ids)
     assert lookup.hit_blocks == 5
-    warm_logits, warm_cache = session.run(ids[5 * B:], session.from_canonical(lookup.kv))
+    warm_logits, warm_cache = session.run(ids[5 * B:], session.cache_from_blocks(lookup.blocks, 5 * B, len(ids)))
     record_margin(f"cached vs cold prefill ({preset}, {layout})", cold_logits)
     assert np.max(np.abs(warm_logits - cold_logits)) <= TOLERANCE
     assert int(np.argmax(warm_logits)) == int(np.argmax(cold_logits))
