@@ -197,9 +197,10 @@ class Engine:
                 raise InvalidRequest(f"stop[{i}]", "stop strings must not be empty")
         return ids
 
-    async def _run(self, token_ids: list[int], cache: KVCache, run_options: ort.RunOptions) -> tuple[np.ndarray, KVCache]:
+    def _run(self, token_ids: list[int], cache: KVCache, run_options: ort.RunOptions) -> asyncio.Future:
+        """Starts one ONNX step on the run threads; await the result for ``(logits, cache)``."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self.session.run, token_ids, cache, run_options)
+        return loop.run_in_executor(self._executor, self.session.run, token_ids, cache, run_options)
 
     async def _cached_prefix(self, ids: list[int], namespace: Namespace, control: CacheControl,
                              capacity: int) -> tuple[PrefixLookup, KVCache, int]:
@@ -278,8 +279,11 @@ class Engine:
                 elif reason is None and usage.completion_tokens >= request.max_new_tokens:
                     reason = FinishReason.LENGTH
                 if reason is None:
+                    # The next step starts before this token is handed on, so that sending it to
+                    # the client overlaps computing the next one.
+                    step = self._run([token], cache, run_options)
                     yield GenerationChunk([token], delta)
-                    logits, cache = await self._run([token], cache, run_options)
+                    logits, cache = await step
                     continue
                 delta += text.finish()
                 timings.total_ms = (time.perf_counter() - t0) * 1e3

@@ -113,11 +113,17 @@ class DecoderSession:
         if missing:
             raise ModelLoadError(f"{self.spec.onnx_path}: genai_config.json names tensors the graph lacks: {missing}")
 
-    def _host_buffers(self, capacity: int) -> list[np.ndarray]:
-        shape = [1, self.spec.num_kv_heads, capacity, self.spec.head_size]
-        if self.spec.kv.layout is KVLayout.COMBINED:
-            shape = [2, *shape]
-        return [_aligned_zeros(shape, self.kv_dtype) for _ in self.spec.kv.flat_past]
+    def _host_buffers(self, capacity: int) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One zeroed array ``[layers, 2, 1, kv_heads, capacity, head]`` and, in past-input order, the
+        model-layout views into it (separate: ``[l, j]``; combined: ``[l]`` with its K/V axis).
+
+        One array for all layers lets a canonical block land with a single copy."""
+        kv = _aligned_zeros(
+            [self.spec.num_layers, 2, 1, self.spec.num_kv_heads, capacity, self.spec.head_size], self.kv_dtype
+        )
+        if self.spec.kv.layout is KVLayout.SEPARATE:
+            return kv, [kv[layer, j] for layer in range(self.spec.num_layers) for j in (0, 1)]
+        return kv, [kv[layer] for layer in range(self.spec.num_layers)]
 
     def _layer_views(self, arrays: list[np.ndarray]) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per layer, the (K, V) views ``[kv_heads, tokens, head]`` of the model-layout arrays."""
@@ -133,22 +139,19 @@ class DecoderSession:
     def empty_cache(self, capacity: int) -> KVCache:
         """A cache holding no tokens; with a shared buffer, room for ``capacity`` tokens."""
         capacity = capacity if self.shares_buffer else 0
-        return self._to_device(self._host_buffers(capacity), 0, capacity)
+        return self._to_device(self._host_buffers(capacity)[1], 0, capacity)
 
     def cache_from_blocks(self, blocks: Sequence[np.ndarray], tokens: int, capacity: int = 0) -> KVCache:
         """A cache holding the first ``tokens`` tokens of ``blocks`` (each canonical
         ``[layers, 2, kv_heads, block_tokens, head]``), copied straight into the model's buffers."""
         capacity = max(capacity, tokens) if self.shares_buffer else tokens
-        arrays = self._host_buffers(capacity)
-        views = self._layer_views(arrays)
+        kv, arrays = self._host_buffers(capacity)
         offset = 0
         for block in blocks:
             n = min(block.shape[3], tokens - offset)
             if n <= 0:
                 break
-            for layer, (k, v) in enumerate(views):
-                k[:, offset : offset + n] = block[layer, 0, :, :n]
-                v[:, offset : offset + n] = block[layer, 1, :, :n]
+            kv[:, :, 0, :, offset : offset + n] = block[:, :, :, :n]
             offset += n
         return self._to_device(arrays, tokens, capacity)
 

@@ -1,0 +1,88 @@
+"""Decode tokens per second of a kvshare worker against ONNX Runtime GenAI on the same model
+folder: same prompt, greedy, one stream, both on 2 intra-op threads, runs interleaved. Checks that
+both produced the same tokens.
+
+kvshare's rate comes from the worker's own timings, (completion_tokens - 1) / (total - TTFT); GenAI's
+from timing its generate_next_token loop after the first token, in this process.
+
+    .venv/bin/python -m bench.decode [--smoke]
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.fleet import INTRA_OP_THREADS, BenchModel, bench_model, fleet, median, parse_args, print_table
+from kvshare.v1 import generator_pb2 as pb
+from services.client import complete
+
+
+def genai_folder(model: BenchModel) -> Path:
+    """A copy of the folder with GenAI's thread count pinned like kvshare's (the same files otherwise)."""
+    folder = model.folder.with_name(model.folder.name + "-genai")
+    if not folder.exists():
+        shutil.copytree(model.folder, folder)
+    config_path = folder / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = INTRA_OP_THREADS
+    config_path.write_text(json.dumps(config, indent=4))
+    return folder
+
+
+def genai_run(og_model, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    import onnxruntime_genai as og
+
+    params = og.GeneratorParams(og_model)
+    length = len(prompt) + new_tokens
+    params.set_search_options(do_sample=False, max_length=length, min_length=length)
+    generator = og.Generator(og_model, params)
+    generator.append_tokens(prompt)
+    generator.generate_next_token()
+    tokens = [int(generator.get_next_tokens()[0])]
+    t0 = time.perf_counter()
+    while not generator.is_done():
+        generator.generate_next_token()
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return (len(tokens) - 1) / (time.perf_counter() - t0), tokens
+
+
+def kvshare_run(stub, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=new_tokens, ignore_eos=True,
+                                 cache=pb.CacheOptions(skip_read=True, skip_write=True))
+    done = complete(stub, request, timeout_s=600)
+    t = done.last.timings
+    return (done.last.usage.completion_tokens - 1) / ((t.total_ms - t.time_to_first_token_ms) / 1e3), done.token_ids
+
+
+def main() -> int:
+    import onnxruntime_genai as og
+
+    args = parse_args(__doc__.splitlines()[0])
+    model = bench_model(args.smoke)
+    prompt_tokens, new_tokens, rounds = (64, 16, 2) if args.smoke else (1024, 128, 7)
+    prompt = model.random_ids(np.random.default_rng(4), prompt_tokens)
+    og_model = og.Model(str(genai_folder(model)))
+    ours, theirs = [], []
+    with fleet(model, replicas=1) as f:
+        (stub,) = f.stubs
+        kvshare_run(stub, prompt, 4)
+        for _ in range(rounds):
+            rate, our_tokens = kvshare_run(stub, prompt, new_tokens)
+            ours.append(rate)
+            rate, their_tokens = genai_run(og_model, prompt, new_tokens)
+            theirs.append(rate)
+    same = our_tokens == their_tokens
+    rows = [(prompt_tokens, new_tokens, median(ours), median(theirs), median(ours) / median(theirs), "yes" if same else "NO")]
+    print_table(f"{model.preset} model, greedy, one stream, {INTRA_OP_THREADS} intra-op threads; medians of {rounds} interleaved rounds",
+                ("prompt tokens", "new tokens", "kvshare tok/s", "GenAI tok/s", "kvshare/GenAI", "same tokens"), rows)
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

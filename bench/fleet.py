@@ -1,0 +1,148 @@
+"""What the benchmarks share: the model, a Redis server with worker replicas, and measuring calls.
+
+Every benchmark runs from the repository root as ``.venv/bin/python -m bench.<name>``, starts what
+it needs and stops it again. ``--smoke`` runs a seconds-long version on the tiny preset, so that
+the test suite can check the benchmarks still work (not their numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+import redis
+
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.client import complete
+from services.demo import ensure_model
+from services.modelbuild.presets import DECODER_PRESETS
+from services.redis_process import RedisServer
+from services.worker_process import WorkerProcess
+
+MODELS_DIR = Path(tempfile.gettempdir()) / "kvshare-bench"
+FIRST_TOKEN_ID = 3  # ids below are the tokenizer's special tokens
+INTRA_OP_THREADS = 2
+CALL_TIMEOUT_S = 300.0
+PUBLISH_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class BenchModel:
+    folder: Path
+    preset: str
+
+    @property
+    def vocab_size(self) -> int:
+        return DECODER_PRESETS[self.preset].vocab_size
+
+    def random_ids(self, rng: np.random.Generator, count: int) -> list[int]:
+        return rng.integers(FIRST_TOKEN_ID, self.vocab_size, size=count).tolist()
+
+
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--smoke", action="store_true", help="tiny model, few runs: checks the benchmark works")
+    if extra:
+        extra(parser)
+    return parser.parse_args()
+
+
+def bench_model(smoke: bool) -> BenchModel:
+    """The bench preset (tiny for smoke runs), built once into the temp folder and reused."""
+    preset = "tiny" if smoke else "bench"
+    return BenchModel(ensure_model(MODELS_DIR / f"decoder-{preset}", preset), preset)
+
+
+@dataclass(slots=True)
+class Fleet:
+    """A Redis server, a client for it, and worker replicas sharing it."""
+
+    redis: RedisServer
+    client: redis.Redis
+    stubs: list[pb_grpc.GeneratorStub]
+    block_size: int
+
+
+@contextmanager
+def fleet(model: BenchModel, replicas: int = 2, block_size: int = 64, redis_server: RedisServer | None = None,
+          extra_args: Sequence[str] = ()) -> Iterator[Fleet]:
+    """Starts ``replicas`` workers on one (flushed) Redis; stops all that it started on exit."""
+    with ExitStack() as stack:
+        server = redis_server or stack.enter_context(RedisServer())
+        client = stack.enter_context(server.client())
+        client.flushdb()
+        args = ("--cache", server.url, "--block-size", str(block_size), "--intra-op-threads", str(INTRA_OP_THREADS),
+                *extra_args)
+        workers = [stack.enter_context(WorkerProcess(model.folder, *args)) for _ in range(replicas)]
+        stubs = [pb_grpc.GeneratorStub(stack.enter_context(grpc.insecure_channel(w.target))) for w in workers]
+        yield Fleet(server, client, stubs, block_size)
+
+
+def first_token(stub: pb_grpc.GeneratorStub, prompt: list[int], skip_cache: bool = False) -> pb.GenerateResponse:
+    """One single-token Generate call; returns its last message (usage and timings)."""
+    request = pb.GenerateRequest(
+        prompt_token_ids=prompt, max_new_tokens=1, ignore_eos=True,
+        cache=pb.CacheOptions(skip_read=skip_cache, skip_write=skip_cache),
+    )
+    return complete(stub, request, timeout_s=CALL_TIMEOUT_S).last
+
+
+def wait_for_keys(client: redis.Redis, count: int, timeout_s: float = PUBLISH_TIMEOUT_S) -> None:
+    """Polls DBSIZE until Redis holds at least ``count`` keys (a worker's publish landed)."""
+    deadline = time.monotonic() + timeout_s
+    while client.dbsize() < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Redis holds {client.dbsize()} keys after {timeout_s} s, expected {count}")
+        time.sleep(0.005)
+
+
+def published(fleet: Fleet, call: Callable[[], pb.GenerateResponse], new_blocks: int) -> pb.GenerateResponse:
+    """Runs ``call`` and returns once the ``new_blocks`` blocks it publishes are in Redis, so that
+    publishing never overlaps the next measurement."""
+    expected = fleet.client.dbsize() + new_blocks
+    result = call()
+    wait_for_keys(fleet.client, expected)
+    return result
+
+
+def cold(fleet: Fleet, stub: pb_grpc.GeneratorStub, prompt: list[int]) -> pb.GenerateResponse:
+    """``prompt`` with nothing of it cached; waits for its blocks to be published."""
+    result = published(fleet, lambda: first_token(stub, prompt), len(prompt) // fleet.block_size)
+    assert result.usage.cached_prompt_tokens == 0, f"cold request found {result.usage.cached_prompt_tokens} cached"
+    return result
+
+
+def warm(fleet: Fleet, stub: pb_grpc.GeneratorStub, prompt: list[int], cached: int) -> pb.GenerateResponse:
+    """``prompt`` whose first ``cached`` tokens another replica published."""
+    result = published(fleet, lambda: first_token(stub, prompt), (len(prompt) - cached) // fleet.block_size)
+    assert result.usage.cached_prompt_tokens == cached, (
+        f"warm request cached {result.usage.cached_prompt_tokens} tokens, expected {cached}")
+    return result
+
+
+def warm_up(stubs: Sequence[pb_grpc.GeneratorStub], prompt: list[int]) -> None:
+    """One uncached request per worker, so the first measured run pays no start-up cost."""
+    for stub in stubs:
+        first_token(stub, prompt, skip_cache=True)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """Prints a Markdown table (so a run can be pasted into docs/benchmarks.md as it is)."""
+    print(f"\n{title}\n")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join("---:" for _ in header) + "|")
+    for row in rows:
+        print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")

@@ -1,0 +1,74 @@
+"""Time to first token against shared-prefix length, cold (nothing cached) and warm (the prefix
+published by the other replica), with the bench model on two workers sharing one Redis.
+
+For each prefix length, each run takes a fresh prefix plus a 32-token question: worker A computes
+it (cold) and publishes its blocks; worker B gets the same prefix with another question (warm) and
+fetches the prefix's full blocks. Medians of server-side ms; writes docs/ttft.png.
+
+    .venv/bin/python -m bench.ttft [--smoke] [--plot PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from bench.fleet import bench_model, cold, fleet, median, parse_args, print_table, warm, warm_up
+
+QUESTION_TOKENS = 32
+DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "ttft.png"
+
+
+def plot(rows: list[tuple], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = [r[0] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    ax.plot(lengths, [r[1] for r in rows], "o-", label="cold (computes the prefix)")
+    ax.plot(lengths, [r[2] for r in rows], "o-", label="warm (other replica's blocks)")
+    ax.bar(lengths, [r[3] for r in rows], width=[max(lengths) / 40] * len(rows), color="tab:green", alpha=0.5,
+           label="of which fetch (Redis + checks + assembly)")
+    ax.set_xlabel("shared prefix tokens (+32-token question)")
+    ax.set_ylabel("time to first token, ms")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main() -> int:
+    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--plot", type=Path, default=None))
+    model = bench_model(args.smoke)
+    lengths, runs = ((64, 128, 256), 2) if args.smoke else ((256, 512, 1024, 2048, 3072), 5)
+    rng = np.random.default_rng(0)
+    rows = []
+    with fleet(model) as f:
+        a, b = f.stubs
+        warm_up(f.stubs, model.random_ids(rng, max(lengths) + QUESTION_TOKENS))
+        for length in lengths:
+            cold_ms, warm_ms, fetch_ms = [], [], []
+            for _ in range(runs):
+                prefix = model.random_ids(rng, length)
+                cold_ms.append(cold(f, a, prefix + model.random_ids(rng, QUESTION_TOKENS)).timings.time_to_first_token_ms)
+                w = warm(f, b, prefix + model.random_ids(rng, QUESTION_TOKENS), length // f.block_size * f.block_size)
+                warm_ms.append(w.timings.time_to_first_token_ms)
+                fetch_ms.append(w.timings.cache_fetch_ms)
+            rows.append((length, median(cold_ms), median(warm_ms), median(fetch_ms), median(warm_ms) / median(cold_ms)))
+            print(f"prefix {length}: cold {rows[-1][1]:.1f} ms, warm {rows[-1][2]:.1f} ms", flush=True)
+    title = f"{model.preset} model, 2 replicas on one Redis, block {f.block_size}; medians of {runs} runs"
+    print_table(title, ("prefix tokens", "cold TTFT ms", "warm TTFT ms", "warm fetch ms", "warm/cold"), rows)
+    plot(rows, args.plot or DEFAULT_PLOT, title)
+    print(f"\nplot: {args.plot or DEFAULT_PLOT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
