@@ -34,7 +34,7 @@ class Settings:
     breaker_max_backoff_ms: float = field(default=30000.0, metadata={"help": "Longest pause between probes of a failing store."})
     execution_provider: str = field(default="auto", metadata={"help": "auto (CUDA when onnxruntime-gpu and a GPU are present, else CPU), cpu or cuda.", "choices": ["auto", "cpu", "cuda"]})
     intra_op_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads per run; 0 lets ONNX Runtime choose (one per physical core)."})
-    run_threads: int = field(default=4, metadata={"help": "Streams whose ONNX steps can run at once."})
+    run_threads: int = field(default=16, metadata={"help": "Streams that decode at once (each holds a thread from prefill to last token); more wait."})
     max_new_tokens_cap: int = field(default=4096, metadata={"help": "Largest max_new_tokens a request may ask for."})
     max_message_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "Largest gRPC request message; larger ones are refused with RESOURCE_EXHAUSTED."})
     block_size: int = field(default=64, metadata={"help": "Tokens per shared cache block."})

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
@@ -109,8 +110,9 @@ class EngineOptions:
     max_new_tokens_cap: int = 4096
     block_size: int = 64
     """Tokens per shared cache block."""
-    run_threads: int = 4
-    """Streams whose ONNX steps can run at once."""
+    run_threads: int = 16
+    """Streams that can decode at once: each holds one run thread from prefill to its last token;
+    more wait for a free thread."""
     store_threads: int = 4
     """Concurrent store lookups and publishes."""
     max_pending_publishes: int = 16
@@ -197,11 +199,6 @@ class Engine:
                 raise InvalidRequest(f"stop[{i}]", "stop strings must not be empty")
         return ids
 
-    def _run(self, token_ids: list[int], cache: KVCache, run_options: ort.RunOptions) -> asyncio.Future:
-        """Starts one ONNX step on the run threads; await the result for ``(logits, cache)``."""
-        loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._executor, self.session.run, token_ids, cache, run_options)
-
     async def _cached_prefix(self, ids: list[int], namespace: Namespace, control: CacheControl,
                              capacity: int) -> tuple[PrefixLookup, KVCache, int]:
         """Looks up the prompt's cached blocks and assembles the model's past from them.
@@ -235,65 +232,108 @@ class Engine:
         future.add_done_callback(self._pending_publishes.discard)
         self.stats.publishes += 1
 
+    def _decode(self, request: GenerationRequest, ids: list[int], cached: int, cache: KVCache,
+                run_options: ort.RunOptions, halt: threading.Event, emit: Callable[[GenerationChunk], None],
+                on_prefill: Callable[[KVCache], None], usage: Usage, timings: Timings, t0: float) -> None:
+        """The token loop of one stream, on one run thread: prefill the uncached suffix, then sample,
+        hand each token to ``emit`` and step, until a stop condition or until ``halt`` is set.
+
+        Running the whole loop on one thread keeps the event loop off the token path: a step never
+        waits for a thread hand-off or for the previous token to be sent.
+        """
+        sampler = Sampler(request.sampling)
+        text = TextStream(self.tokenizer, request.stop)
+        t_prefill = time.perf_counter()
+        logits, cache = self.session.run(ids[cached:], cache, run_options)
+        timings.prefill_ms = (time.perf_counter() - t_prefill) * 1e3
+        on_prefill(cache)
+        while not halt.is_set():
+            token = sampler(logits)
+            usage.completion_tokens += 1
+            if usage.completion_tokens == 1:
+                timings.time_to_first_token_ms = (time.perf_counter() - t0) * 1e3
+            reason = None
+            if token in self.spec.eos_token_ids and not request.ignore_eos:
+                reason = FinishReason.EOS
+            delta = text.push(token)
+            if text.stopped:
+                reason = FinishReason.STOP
+            elif reason is None and usage.completion_tokens >= request.max_new_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                delta += text.finish()
+                timings.total_ms = (time.perf_counter() - t0) * 1e3
+                emit(GenerationChunk([token], delta, reason, usage, timings))
+                return
+            emit(GenerationChunk([token], delta))
+            logits, cache = self.session.run([token], cache, run_options)
+
+    @staticmethod
+    def _merge_ready(first: GenerationChunk | BaseException, queue: asyncio.Queue) -> GenerationChunk:
+        """``first`` and whatever else the token loop has queued meanwhile, as one chunk: a client
+        that reads slower than tokens are made gets fewer, larger messages."""
+        items = [first]
+        while not queue.empty() and not (isinstance(items[-1], GenerationChunk) and items[-1].finish_reason):
+            items.append(queue.get_nowait())
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        last = items[-1]
+        if len(items) == 1:
+            return last
+        return GenerationChunk([t for c in items for t in c.token_ids], "".join(c.text for c in items),
+                               last.finish_reason, last.usage, last.timings)
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
         """Yields chunks until a stop condition; validation errors raise before the first chunk.
 
         Cancelling the consuming task stops generation at the current step: an ONNX run in flight
-        is told to terminate, and the stream's buffers are released.
+        is told to terminate, the token loop ends, and the stream's buffers are released.
         """
         t0 = time.perf_counter()
         ids = self.prompt_ids(request)
         request_id = request.request_id or uuid.uuid4().hex
         self.stats.started += 1
         self.stats.active += 1
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
+        halt = threading.Event()
         run_options = ort.RunOptions()
-        sampler = Sampler(request.sampling)
-        text = TextStream(self.tokenizer, request.stop)
         usage = Usage(prompt_tokens=len(ids))
         timings = Timings()
         namespace = self.namespace(request.cache.salt)
-        cache: KVCache | None = None
         finished = False
+
+        def emit(item: GenerationChunk | BaseException) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def token_loop(lookup: PrefixLookup, cache: KVCache) -> None:
+            def on_prefill(prefill: KVCache) -> None:
+                if not request.cache.skip_write and len(lookup.hashes) > lookup.hit_blocks:
+                    loop.call_soon_threadsafe(self._publish_later, lookup, prefill, namespace.block_size)
+
+            try:
+                self._decode(request, ids, usage.cached_prompt_tokens, cache, run_options, halt, emit, on_prefill,
+                             usage, timings, t0)
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+                emit(exc)
+
         try:
             t_fetch = time.perf_counter()
             lookup, cache, usage.cached_prompt_tokens = await self._cached_prefix(
                 ids, namespace, request.cache, capacity=len(ids) + request.max_new_tokens
             )
             timings.cache_fetch_ms = (time.perf_counter() - t_fetch) * 1e3
-            t_prefill = time.perf_counter()
-            logits, cache = await self._run(ids[usage.cached_prompt_tokens :], cache, run_options)
-            timings.prefill_ms = (time.perf_counter() - t_prefill) * 1e3
-            if not request.cache.skip_write and len(lookup.hashes) > lookup.hit_blocks:
-                self._publish_later(lookup, cache, namespace.block_size)
-            while True:
-                token = sampler(logits)
-                usage.completion_tokens += 1
-                if usage.completion_tokens == 1:
-                    timings.time_to_first_token_ms = (time.perf_counter() - t0) * 1e3
-                reason = None
-                if token in self.spec.eos_token_ids and not request.ignore_eos:
-                    reason = FinishReason.EOS
-                delta = text.push(token)
-                if text.stopped:
-                    reason = FinishReason.STOP
-                elif reason is None and usage.completion_tokens >= request.max_new_tokens:
-                    reason = FinishReason.LENGTH
-                if reason is None:
-                    # The next step starts before this token is handed on, so that sending it to
-                    # the client overlaps computing the next one.
-                    step = self._run([token], cache, run_options)
-                    yield GenerationChunk([token], delta)
-                    logits, cache = await step
-                    continue
-                delta += text.finish()
-                timings.total_ms = (time.perf_counter() - t0) * 1e3
-                finished = True
-                yield GenerationChunk([token], delta, reason, usage, timings)
-                return
+            loop.run_in_executor(self._executor, token_loop, lookup, cache)
+            del cache  # the token loop owns it now
+            while not finished:
+                chunk = self._merge_ready(await queue.get(), queue)
+                finished = chunk.finish_reason is not None
+                yield chunk
         finally:
             # Reached on completion, on an error, and when the consumer is cancelled or goes away.
+            halt.set()
             run_options.terminate = True
-            cache = None
             self.stats.active -= 1
             if finished:
                 self.stats.finished += 1

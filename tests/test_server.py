@@ -36,7 +36,10 @@ def test_stream_arrives_message_by_message(stub):
     for message in stub.Generate(request, timeout=30):
         arrivals.append(time.perf_counter())
         messages.append(message)
-    assert len(messages) == 40
+    # One message per token, or a few tokens per message when the client reads slower than the
+    # worker generates; either way several arrive before the last.
+    assert len(messages) > 1 and sum(len(m.token_ids) for m in messages) == 40
+    assert all(m.token_ids for m in messages)
     assert arrivals[0] < arrivals[-1]
     assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not m.HasField("usage") for m in messages[:-1])
     last = messages[-1]
