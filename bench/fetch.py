@@ -3,8 +3,9 @@
 The fetch path is what a warm request pays before running its suffix: one batched read of the
 prefix's block keys, every value's header and checksum checked, and the model's past assembled
 from them (``PrefixStore.lookup`` + ``DecoderSession.cache_from_blocks``). The baseline is an
-``MGET`` of the same keys over the same kind of connection, doing nothing with the bytes. Also
-measured: the tiered store with its memory L1 already holding the blocks.
+``MGET`` of the same keys over the same kind of connection, doing nothing with the bytes (the
+strict baseline), and the same values read with one ``GET`` per key. Also measured: the tiered
+store with its memory L1 already holding the blocks.
 
     .venv/bin/python -m bench.fetch [--smoke]
 """
@@ -57,9 +58,11 @@ def main() -> int:
 
         payload = sum(len(v) for v in plain.mget(keys))
         fetch_path(tiered)  # fills the L1
-        times: dict[str, list[float]] = {"plain MGET": [], "kvshare fetch path": [], "tiered, warm L1": []}
+        times: dict[str, list[float]] = {
+            "plain MGET": [], "plain GETs, one per key": [], "kvshare fetch path": [], "tiered, warm L1": []}
         for _ in range(runs):
             times["plain MGET"].append(timed(lambda: plain.mget(keys))[0])
+            times["plain GETs, one per key"].append(timed(lambda: [plain.get(k) for k in keys])[0])
             times["kvshare fetch path"].append(timed(lambda: fetch_path(engine.prefix))[0])
             times["tiered, warm L1"].append(timed(lambda: fetch_path(tiered))[0])
         engine.close()

@@ -40,5 +40,5 @@ class KVStore(ABC):
         """Raises when the store cannot be reached."""
         self.get("kvshare:ping")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: only networked stores hold something to release
         """Releases connections."""

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 from cachestore.keys import Namespace
