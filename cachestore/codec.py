@@ -5,7 +5,7 @@ Layout (little-endian)::
     magic  b"KVSH"        4 bytes
     version               u8
     kind                  u8   (1 = prefix block, 2 = cross-attention K/V)
-    dtype                 u8   (1 = float32, 2 = float16, 3 = bfloat16 as raw u16)
+    dtype                 u8   (1 = float32, 2 = float16)
     ndim                  u8
     dims                  u32 x ndim
     owner                 32 bytes: the hash the value was stored under

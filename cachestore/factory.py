@@ -32,8 +32,8 @@ from cachestore.tiered import TieredStore
 @dataclass(frozen=True, slots=True)
 class StoreOptions:
     ttl_s: int = 3600
-    op_timeout_ms: float = 500.0
-    connect_timeout_ms: float = 200.0
+    op_timeout_ms: float = 250.0
+    connect_timeout_ms: float = 100.0
     max_connections: int = 32
     memory_max_bytes: int = 512 * 1024 * 1024
     l1_max_bytes: int = 256 * 1024 * 1024

@@ -47,12 +47,10 @@ class Namespace:
         return BlockHash(hashlib.blake2b(canonical.encode(), digest_size=_DIGEST_BYTES).digest())
 
 
-def block_hashes(namespace: Namespace, token_ids: Sequence[int], max_blocks: int | None = None) -> list[BlockHash]:
+def block_hashes(namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
     """Chained hashes of the full blocks of ``token_ids`` (a partial last block gets none)."""
     size = namespace.block_size
     count = len(token_ids) // size
-    if max_blocks is not None:
-        count = min(count, max_blocks)
     tokens = np.asarray(token_ids[: count * size], dtype="<i4")
     previous = namespace.digest()
     hashes: list[BlockHash] = []

@@ -7,7 +7,6 @@ engine converts to and from its model's own layout. Only full blocks are ever st
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,7 +42,6 @@ class PrefixLookup:
     """Chained hashes of every full block of the prompt."""
     blocks: list[np.ndarray]
     """Canonical K/V of each block of the run: read-only views of the fetched values, no copy."""
-    fetch_ms: float
 
     @property
     def hit_blocks(self) -> int:
@@ -62,7 +60,6 @@ class PrefixStore:
     def lookup(self, namespace: Namespace, token_ids: Sequence[int]) -> PrefixLookup:
         """One batched read of every full block's key; the run stops at the first miss, and a
         value that fails a check is counted, deleted, and ends the run like a miss."""
-        t0 = time.perf_counter()
         hashes = self.hashes(namespace, token_ids)
         keys = [block_key(h) for h in hashes]
         values = self.store.get_many(keys) if keys else []
@@ -80,7 +77,7 @@ class PrefixStore:
                 break
             self.stats.add(bytes_read=len(value))
         self.stats.add(block_hits=len(run), block_misses=len(hashes) - len(run))
-        return PrefixLookup(hashes=hashes, blocks=run, fetch_ms=(time.perf_counter() - t0) * 1e3)
+        return PrefixLookup(hashes=hashes, blocks=run)
 
     def publish(self, hashes: Sequence[BlockHash], kv: np.ndarray, first_block: int, block_size: int) -> int:
         """Writes blocks ``first_block ..`` of ``kv`` (canonical, at least ``len(hashes)`` blocks
@@ -91,5 +88,5 @@ class PrefixStore:
             block = kv[:, :, :, i * size : (i + 1) * size, :].astype(self.geometry.dtype, copy=False)
             items.append((block_key(hashes[i]), encode(ValueKind.PREFIX_BLOCK, hashes[i], block)))
         written = self.store.put_many(items)
-        self.stats.add(blocks_written=written, bytes_written=sum(len(v) for _, v in items))
+        self.stats.add(blocks_written=written, bytes_sent=sum(len(v) for _, v in items))
         return written

@@ -2,12 +2,14 @@
 
 Every failure is counted; one log line is written per burst of failures (the first one, and a
 line when the store answers again); a circuit breaker stops calling a store that keeps failing and
-probes it again after a backoff.
+probes it again after a backoff. Reads and writes have a breaker each: a store that refuses writes
+(full, with ``noeviction``) still serves the blocks it holds.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -23,48 +25,56 @@ class ResilientStore(KVStore):
     def __init__(self, inner: KVStore, stats: CacheStats, policy: BreakerPolicy = BreakerPolicy()) -> None:
         self.inner = inner
         self.stats = stats
-        self.breaker = CircuitBreaker(policy)
+        self.read_breaker = CircuitBreaker(policy)
+        self.write_breaker = CircuitBreaker(policy)
         self.name = inner.name
-        self._in_burst = False
+        self._failing: set[str] = set()
+        self._lock = threading.Lock()
 
-    def _call(self, operation: str, fn: Callable[[], T], fallback: T) -> T:
-        if not self.breaker.allow():
+    def _call(self, breaker: CircuitBreaker, operation: str, fn: Callable[[], T], fallback: T) -> T:
+        kind = "reads" if breaker is self.read_breaker else "writes"
+        if not breaker.allow():
             self.stats.add(short_circuited=1)
             return fallback
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - the store is an optimisation; any failure is a miss
             self.stats.add(store_errors=1)
-            self.breaker.failure()
-            if not self._in_burst:
-                self._in_burst = True
-                log.warning("cache store %s failing (%s: %s: %s); computing instead, breaker %s",
-                            self.name, operation, type(exc).__name__, exc, self.breaker.state.value)
+            breaker.failure()
+            with self._lock:
+                first = kind not in self._failing
+                self._failing.add(kind)
+            if first:
+                log.warning("cache store %s failing %s (%s: %s: %s); computing instead, breaker %s",
+                            self.name, kind, operation, type(exc).__name__, exc, breaker.state.value)
             return fallback
-        if self._in_burst:
-            self._in_burst = False
-            log.warning("cache store %s answers again", self.name)
-        self.breaker.success()
+        with self._lock:
+            recovered = kind in self._failing
+            self._failing.discard(kind)
+        if recovered:
+            log.warning("cache store %s answers %s again", self.name, kind)
+        breaker.success()
         return result
 
     @property
     def state(self) -> BreakerState:
-        return self.breaker.state
+        """The read breaker's state: whether lookups currently reach the store."""
+        return self.read_breaker.state
 
     def get(self, key: str) -> bytes | None:
-        return self._call("get", lambda: self.inner.get(key), None)
+        return self._call(self.read_breaker, "get", lambda: self.inner.get(key), None)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._call("get_many", lambda: self.inner.get_many(keys), [None] * len(keys))
+        return self._call(self.read_breaker, "get_many", lambda: self.inner.get_many(keys), [None] * len(keys))
 
     def put(self, key: str, value: bytes) -> bool:
-        return self._call("put", lambda: self.inner.put(key, value), False)
+        return self._call(self.write_breaker, "put", lambda: self.inner.put(key, value), False)
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
-        return self._call("put_many", lambda: self.inner.put_many(items), 0)
+        return self._call(self.write_breaker, "put_many", lambda: self.inner.put_many(items), 0)
 
     def delete(self, keys: Sequence[str]) -> None:
-        self._call("delete", lambda: self.inner.delete(keys), None)
+        self._call(self.write_breaker, "delete", lambda: self.inner.delete(keys), None)
 
     def ping(self) -> None:
         self.inner.ping()

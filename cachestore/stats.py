@@ -18,7 +18,8 @@ class CacheStats:
     blocks_written: int = 0
     publishes_dropped: int = 0
     bytes_read: int = 0
-    bytes_written: int = 0
+    bytes_sent: int = 0
+    """Bytes of values sent to the store, including blocks it turned out to hold already."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

@@ -1,13 +1,16 @@
-"""The generation engine: validates a request, prefills the prompt, decodes token by token.
+"""The generation engine: validates a request, reuses its cached prefix, prefills the rest and
+decodes token by token.
 
-The engine knows models, tokens and (from the shared-cache issue on) a store interface; it knows
-nothing of gRPC. Each ONNX step runs on a thread pool so the event loop keeps serving other
-streams while one runs; the session is shared by all streams.
+The engine knows models, tokens and a store interface; it knows nothing of gRPC. Store lookups
+and publishes run on the store threads; each stream's token loop (assembling its past, prefill,
+every decode step) runs on one run thread, so the event loop only moves chunks to the client. The
+ONNX session is shared by all streams.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import logging
 import threading
 import time
@@ -20,7 +23,7 @@ from pathlib import Path
 
 import onnxruntime as ort
 
-from cachestore.keys import Namespace
+from cachestore.keys import BlockHash, Namespace
 from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
@@ -189,8 +192,8 @@ class Engine:
                 f"context length of {self.spec.context_length} tokens",
             )
         s = request.sampling
-        if not s.temperature >= 0.0:  # also rejects NaN
-            raise InvalidRequest("sampling.temperature", f"must be >= 0 (0 = greedy), got {s.temperature}")
+        if not (math.isfinite(s.temperature) and s.temperature >= 0.0):
+            raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
         if not 0.0 < s.top_p <= 1.0:
             raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
         for i, stop in enumerate(request.stop):
@@ -198,48 +201,60 @@ class Engine:
                 raise InvalidRequest(f"stop[{i}]", "stop strings must not be empty")
         return ids
 
-    async def _cached_prefix(self, ids: list[int], namespace: Namespace, control: CacheControl,
-                             capacity: int) -> tuple[PrefixLookup, KVCache, int]:
-        """Looks up the prompt's cached blocks and assembles the model's past from them.
-
-        Returns the lookup, the past, and how many prompt tokens it holds. At least the last
-        prompt token is always left to run, since its logits start generation: when every block
-        of the prompt is cached, the past holds all but the last token (DESIGN invariant 3).
-        """
-        loop = asyncio.get_running_loop()
+    async def _lookup(self, ids: list[int], namespace: Namespace, control: CacheControl) -> PrefixLookup:
+        """The prompt's cached run of blocks (none when the request skips reading)."""
         if control.skip_read:
-            lookup = PrefixLookup(hashes=self.prefix.hashes(namespace, ids), blocks=[], fetch_ms=0.0)
-        else:
-            lookup = await loop.run_in_executor(self._store_executor, self.prefix.lookup, namespace, ids)
-        cached = min(lookup.hit_blocks * namespace.block_size, len(ids) - 1)
-        if cached == 0:
-            return lookup, self.session.empty_cache(capacity), 0
-        return lookup, self.session.cache_from_blocks(lookup.blocks, cached, capacity), cached
+            return PrefixLookup(hashes=self.prefix.hashes(namespace, ids), blocks=[])
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._store_executor, self.prefix.lookup, namespace, ids)
 
-    def _publish_later(self, lookup: PrefixLookup, prefill: KVCache, block_size: int) -> None:
-        """Publishes the prompt's blocks the store lacked, on the store threads, off the token path."""
+    @staticmethod
+    def cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
+        """Prompt tokens served from cached blocks. At least the last prompt token always runs,
+        since its logits start generation: when every block of the prompt is cached, the past holds
+        all but the last token (DESIGN invariant 3)."""
+        return min(hit_blocks * block_size, prompt_tokens - 1)
+
+    def _publish_later(self, hashes: list[BlockHash], first_block: int, prefill: KVCache, block_size: int) -> None:
+        """Publishes blocks ``first_block ..`` of the prompt (those the store lacked) on the store
+        threads, off the token path. Reading ``prefill`` while decode continues is safe: decode
+        only writes positions after the prompt."""
         if len(self._pending_publishes) >= self.options.max_pending_publishes:
             self.cache_stats.add(publishes_dropped=1)
             return
 
         def publish() -> int:
-            kv = self.session.to_canonical(prefill, len(lookup.hashes) * block_size)
-            return self.prefix.publish(lookup.hashes, kv, lookup.hit_blocks, block_size)
+            kv = self.session.to_canonical(prefill, len(hashes) * block_size)
+            return self.prefix.publish(hashes, kv, first_block, block_size)
 
         future = asyncio.get_running_loop().run_in_executor(self._store_executor, publish)
         self._pending_publishes.add(future)
         future.add_done_callback(self._pending_publishes.discard)
         self.stats.publishes += 1
 
-    def _decode(self, request: GenerationRequest, ids: list[int], cached: int, cache: KVCache,
+    def _decode(self, request: GenerationRequest, ids: list[int], lookup: PrefixLookup, block_size: int,
                 run_options: ort.RunOptions, halt: threading.Event, emit: Callable[[GenerationChunk], None],
                 on_prefill: Callable[[KVCache], None], usage: Usage, timings: Timings, t0: float) -> None:
-        """The token loop of one stream, on one run thread: prefill the uncached suffix, then sample,
-        hand each token to ``emit`` and step, until a stop condition or until ``halt`` is set.
+        """The token loop of one stream, on one run thread: assemble the past from the cached
+        blocks, prefill the uncached suffix, then sample, hand each token to ``emit`` and step,
+        until a stop condition or until ``halt`` is set.
 
         Running the whole loop on one thread keeps the event loop off the token path: a step never
-        waits for a thread hand-off or for the previous token to be sent.
+        waits for a thread hand-off or for the previous token to be sent, and a stream waiting for
+        a free thread holds no K/V buffer yet.
         """
+        if halt.is_set():
+            return
+        capacity = len(ids) + request.max_new_tokens
+        cached = usage.cached_prompt_tokens
+        t_assemble = time.perf_counter()
+        if cached:
+            cache = self.session.cache_from_blocks(lookup.blocks, cached, capacity)
+        else:
+            cache = self.session.empty_cache(capacity)
+        # The fetched values are copied into the past now; do not hold them for the whole decode.
+        lookup.blocks = []
+        timings.cache_fetch_ms += (time.perf_counter() - t_assemble) * 1e3
         sampler = Sampler(request.sampling)
         text = TextStream(self.tokenizer, request.stop)
         t_prefill = time.perf_counter()
@@ -261,6 +276,8 @@ class Engine:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 delta += text.finish()
+                if text.stopped:  # a stop string hidden behind an unfinished character until now
+                    reason = FinishReason.STOP
                 timings.total_ms = (time.perf_counter() - t0) * 1e3
                 emit(GenerationChunk([token], delta, reason, usage, timings))
                 return
@@ -306,25 +323,26 @@ class Engine:
         def emit(item: GenerationChunk | BaseException) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        def token_loop(lookup: PrefixLookup, cache: KVCache) -> None:
+        def token_loop(lookup: PrefixLookup) -> None:
+            hashes, hit_blocks = lookup.hashes, lookup.hit_blocks
+
             def on_prefill(prefill: KVCache) -> None:
-                if not request.cache.skip_write and len(lookup.hashes) > lookup.hit_blocks:
-                    loop.call_soon_threadsafe(self._publish_later, lookup, prefill, namespace.block_size)
+                if not request.cache.skip_write and len(hashes) > hit_blocks:
+                    loop.call_soon_threadsafe(self._publish_later, hashes, hit_blocks, prefill, namespace.block_size)
 
             try:
-                self._decode(request, ids, usage.cached_prompt_tokens, cache, run_options, halt, emit, on_prefill,
+                self._decode(request, ids, lookup, namespace.block_size, run_options, halt, emit, on_prefill,
                              usage, timings, t0)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 emit(exc)
 
         try:
             t_fetch = time.perf_counter()
-            lookup, cache, usage.cached_prompt_tokens = await self._cached_prefix(
-                ids, namespace, request.cache, capacity=len(ids) + request.max_new_tokens
-            )
+            lookup = await self._lookup(ids, namespace, request.cache)
+            usage.cached_prompt_tokens = self.cached_tokens(lookup.hit_blocks, namespace.block_size, len(ids))
             timings.cache_fetch_ms = (time.perf_counter() - t_fetch) * 1e3
-            loop.run_in_executor(self._executor, token_loop, lookup, cache)
-            del cache  # the token loop owns it now
+            loop.run_in_executor(self._executor, token_loop, lookup)
+            del lookup  # the token loop owns the fetched blocks now
             while not finished:
                 chunk = self._merge_ready(await queue.get(), queue)
                 finished = chunk.finish_reason is not None

@@ -118,32 +118,32 @@ def load_model_spec(folder: Path) -> ModelSpec:
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         onnx_path = folder / decoder["filename"]
         files = _model_files(folder, decoder["filename"])
+        kv = _kv_names(inputs, outputs, num_layers)
+        shaping = {
+            "layers": num_layers, "heads": num_heads, "kv_heads": num_kv_heads, "head_size": head_size,
+            "layout": kv.layout.value, "past": kv.flat_past, "present": kv.flat_present,
+        }
+        return ModelSpec(
+            name=folder.resolve().name,
+            folder=folder,
+            onnx_path=onnx_path,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_size=head_size,
+            context_length=int(model["context_length"]),
+            vocab_size=int(model["vocab_size"]),
+            bos_token_id=model.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            input_ids_name=inputs.get("input_ids", "input_ids"),
+            attention_mask_name=inputs.get("attention_mask"),
+            position_ids_name=inputs.get("position_ids"),
+            logits_name=outputs.get("logits", "logits"),
+            kv=kv,
+            past_present_share_buffer=bool(config.get("search", {}).get("past_present_share_buffer", False)),
+            fingerprint=fingerprint(files, shaping),
+        )
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{exc.filename}: not found; a model folder needs genai_config.json and its ONNX file") from exc
     except (KeyError, TypeError, ValueError) as exc:
         raise ModelLoadError(f"{config_path}: missing or malformed field {exc}") from exc
-    kv = _kv_names(inputs, outputs, num_layers)
-    shaping = {
-        "layers": num_layers, "heads": num_heads, "kv_heads": num_kv_heads, "head_size": head_size,
-        "layout": kv.layout.value, "past": kv.flat_past, "present": kv.flat_present,
-    }
-    return ModelSpec(
-        name=folder.resolve().name,
-        folder=folder,
-        onnx_path=onnx_path,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_size=head_size,
-        context_length=int(model["context_length"]),
-        vocab_size=int(model["vocab_size"]),
-        bos_token_id=model.get("bos_token_id"),
-        eos_token_ids=eos_ids,
-        input_ids_name=inputs.get("input_ids", "input_ids"),
-        attention_mask_name=inputs.get("attention_mask"),
-        position_ids_name=inputs.get("position_ids"),
-        logits_name=outputs.get("logits", "logits"),
-        kv=kv,
-        past_present_share_buffer=bool(config.get("search", {}).get("past_present_share_buffer", False)),
-        fingerprint=fingerprint(files, shaping),
-    )

@@ -95,6 +95,9 @@ class DecoderSession:
         self._device = ("cuda", 0) if self.execution_provider == CUDA else ("cpu", 0)
         types = {i.name: i.type for i in self._session.get_inputs()}
         self._check_names(types)
+        unsupported = {n: t for n, t in types.items() if t not in _ORT_TYPES}
+        if unsupported:
+            raise ModelLoadError(f"{spec.onnx_path}: inputs of unsupported types {unsupported}")
         self._ids_dtype = _ORT_TYPES[types[spec.input_ids_name]]
         self._mask_dtype = _ORT_TYPES[types[spec.attention_mask_name]] if spec.attention_mask_name in types else None
         self._pos_dtype = _ORT_TYPES[types[spec.position_ids_name]] if spec.position_ids_name in types else None

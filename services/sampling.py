@@ -18,7 +18,8 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, logits / temperature overflows float64 and sampling is argmax anyway.
+        return self.temperature < 1e-5
 
 
 class Sampler:

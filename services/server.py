@@ -10,11 +10,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.config import Settings
 from cachestore.breaker import BreakerPolicy
 from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.config import Settings
 from services.engine import Engine, EngineOptions
 from services.servicer import SERVICE_NAME, GeneratorServicer
 

@@ -7,6 +7,7 @@ messages never get here: gRPC refuses them with RESOURCE_EXHAUSTED.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import NoReturn
@@ -94,8 +95,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for chunk in self._engine.generate(engine_request(request)):
-                yield response_message(chunk)
+            # aclosing: when the call is cancelled while this handler waits to send, the engine's
+            # stream is closed now (halting its token loop), not whenever it is collected.
+            async with contextlib.aclosing(self._engine.generate(engine_request(request))) as stream:
+                async for chunk in stream:
+                    yield response_message(chunk)
         except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never as UNKNOWN
             await _abort(context, exc)
 

@@ -34,6 +34,11 @@ class TextStream:
         prefix_text = self._tokenizer.decode(self._ids[self._prefix : self._read])
         new_text = self._tokenizer.decode(self._ids[self._prefix :])
         if new_text.endswith(_REPLACEMENT) or len(new_text) <= len(prefix_text):
+            # Held back; but a stop string completed before the unfinished character ends the
+            # stream now rather than after it.
+            settled = new_text[len(prefix_text) :].rstrip(_REPLACEMENT)
+            if self._stop and any(s in self._unsent + settled for s in self._stop):
+                return self._release(settled, final=False)
             return ""
         self._prefix, self._read = self._read, len(self._ids)
         return self._release(new_text[len(prefix_text) :], final=False)

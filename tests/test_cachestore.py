@@ -139,7 +139,27 @@ def test_unreachable_redis_is_a_miss_and_opens_the_breaker():
         assert store.get_many([block_key(h) for h in block_hashes(NS, TOKENS)]) == [None] * 3
         assert store.put_many([("k", b"v")]) == 0
     snap = stats.snapshot()
-    assert snap["store_errors"] == 2 and snap["short_circuited"] == 8
+    # Reads and writes each open their own breaker after two failures.
+    assert snap["store_errors"] == 4 and snap["short_circuited"] == 6
+
+
+class RefusesWrites(MemoryStore):
+    """Answers reads but refuses every write, as a full Redis under noeviction does."""
+
+    def put_many(self, items):
+        raise OSError("OOM command not allowed when used memory > 'maxmemory'")
+
+
+def test_a_store_refusing_writes_still_serves_reads():
+    from cachestore.resilient import ResilientStore
+
+    inner = RefusesWrites(1000)
+    MemoryStore.put(inner, "held", b"v")
+    store = ResilientStore(inner, CacheStats(), BreakerPolicy(2, 60000, 60000))
+    for _ in range(5):
+        assert store.put_many([("new", b"w")]) == 0
+    assert store.write_breaker.state is BreakerState.OPEN
+    assert store.get_many(["held"]) == [b"v"] and store.state is BreakerState.CLOSED
 
 
 def test_unix_socket_and_tiered_urls(tmp_path):

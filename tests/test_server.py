@@ -109,6 +109,8 @@ BAD_REQUESTS = {
                                  grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
     "negative temperature": (pb.GenerateRequest(prompt="x", max_new_tokens=4, sampling=pb.SamplingParams(temperature=-0.5)),
                              grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
+    "infinite temperature": (pb.GenerateRequest(prompt="x", max_new_tokens=4, sampling=pb.SamplingParams(temperature=float("inf"))),
+                             grpc.StatusCode.INVALID_ARGUMENT, "sampling.temperature"),
     "top_p zero": (pb.GenerateRequest(prompt="x", max_new_tokens=4, sampling=pb.SamplingParams(top_p=0.0)),
                    grpc.StatusCode.INVALID_ARGUMENT, "sampling.top_p"),
     "top_p above one": (pb.GenerateRequest(prompt="x", max_new_tokens=4, sampling=pb.SamplingParams(top_p=1.5)),
@@ -215,7 +217,11 @@ def test_generate_cli_streams_text_and_reports_usage(worker):
     assert "completion_tokens=" in proc.stderr and "ttft_ms=" in proc.stderr
 
 
-def test_serve_refuses_a_folder_without_a_model(tmp_path):
+def test_serve_refuses_a_folder_without_a_model(tmp_path, tiny_model):
     proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path), "--port", "0"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "genai_config.json" in proc.stderr
+    (tmp_path / "genai_config.json").write_bytes((tiny_model / "genai_config.json").read_bytes())
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path), "--port", "0"],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and "model.onnx: not found" in proc.stderr

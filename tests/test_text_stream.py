@@ -50,6 +50,16 @@ def test_stop_string_ends_output_and_is_not_sent(tokenizer):
     assert not any("S" in d for d in deltas)
 
 
+def test_stop_string_before_an_unfinished_character_stops_at_once(tokenizer):
+    # A byte-level token can hold a whole character and the first byte of the next one: the stop
+    # string completes inside that token while the text still ends in an unfinished character.
+    split = next(i for i in range(512) if tokenizer.decode([i]) == " \ufffd")
+    ids = tokenizer.encode("alpha") + [split]
+    stream = TextStream(tokenizer, ["a "])
+    sent = "".join(stream.push(t) for t in ids)
+    assert stream.stopped and sent == "alph"
+
+
 def test_partial_stop_prefix_is_released_when_not_a_stop(tokenizer):
     ids = tokenizer.encode("one ST two STOX three")
     deltas, stream = stream_all(tokenizer, ids, stop=["STOP"])
