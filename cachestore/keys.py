@@ -65,3 +65,22 @@ def block_hashes(namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHa
 def block_key(block_hash: BlockHash) -> str:
     """The store key of a block: a fixed prefix and the hash in hex."""
     return KEY_PREFIX + "blk:" + block_hash.hex()
+
+
+def encoder_input_hash(namespace: Namespace, array: np.ndarray) -> BlockHash:
+    """Names an encoder input: its dtype, shape and little-endian bytes under ``namespace``.
+
+    The cross-attention K/V of an encoder-decoder model depend on nothing else, and the decoder's
+    self-attention K/V depend on them (cross-attention feeds every decoder layer), so this hash
+    goes into the namespace of that model's prefix blocks too (``Namespace.extra``).
+    """
+    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    h = hashlib.blake2b(namespace.digest(), digest_size=_DIGEST_BYTES)
+    h.update(f"{little.dtype.str}{list(little.shape)}".encode())
+    h.update(little.tobytes())
+    return BlockHash(h.digest())
+
+
+def cross_key(input_hash: BlockHash) -> str:
+    """The store key of an encoder input's cross-attention K/V."""
+    return KEY_PREFIX + "xkv:" + input_hash.hex()

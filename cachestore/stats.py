@@ -13,6 +13,9 @@ class CacheStats:
     block_hits: int = 0
     block_misses: int = 0
     corrupt_values: int = 0
+    cross_hits: int = 0
+    cross_misses: int = 0
+    values_too_large: int = 0
     store_errors: int = 0
     short_circuited: int = 0
     blocks_written: int = 0

@@ -37,12 +37,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _build_model(args: argparse.Namespace) -> int:
-    from services.modelbuild.folder import write_decoder_folder
+    from services.modelbuild.folder import write_decoder_folder, write_encoder_decoder_folder
 
-    if args.arch != "decoder":
-        print(f"kvshare build-model: --arch {args.arch} is not available yet", file=sys.stderr)
-        return 2
-    folder = write_decoder_folder(args.out_dir, args.preset, KVLayout(args.kv_layout), seed=args.seed)
+    if args.arch == "encoder-decoder":
+        folder = write_encoder_decoder_folder(args.out_dir, args.preset, seed=args.seed)
+    else:
+        folder = write_decoder_folder(args.out_dir, args.preset, KVLayout(args.kv_layout), seed=args.seed)
     print(folder)
     return 0
 
@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("out_dir", type=Path)
     build.add_argument("--arch", choices=["decoder", "encoder-decoder"], default="decoder")
     build.add_argument("--preset", choices=sorted(DECODER_PRESETS), default="tiny")
-    build.add_argument("--kv-layout", choices=[layout.value for layout in KVLayout], default=KVLayout.SEPARATE.value)
+    build.add_argument("--kv-layout", choices=[layout.value for layout in KVLayout], default=KVLayout.SEPARATE.value,
+                       help="self-attention cache layout of a decoder-only model")
     build.add_argument("--seed", type=int, default=0)
     build.set_defaults(func=_build_model)
 

@@ -17,19 +17,23 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 
+import numpy as np
 import onnxruntime as ort
 
-from cachestore.keys import BlockHash, Namespace
+from cachestore.cross import CrossStore
+from cachestore.keys import BlockHash, Namespace, encoder_input_hash
 from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
+from services.encoder_input import EncoderRequest, encoder_array
 from services.errors import InvalidRequest, RequestOutOfRange
 from services.model_spec import ModelSpec, load_model_spec
 from services.onnx_decoder import DecoderSession, KVCache
+from services.onnx_encoder import EncoderSession
 from services.sampling import Sampler, SamplingConfig
 from services.text_stream import TextStream
 from services.tokenizer import TextTokenizer
@@ -63,8 +67,16 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     request_id: str = ""
-    has_encoder_input: bool = False
+    encoder: EncoderRequest = field(default_factory=EncoderRequest)
     cache: CacheControl = field(default_factory=CacheControl)
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request: decoder prompt ids and, for encoder-decoder models, the encoder input."""
+
+    ids: list[int]
+    encoder_input: np.ndarray | None
 
 
 @dataclass(slots=True)
@@ -119,13 +131,18 @@ class EngineOptions:
     """Concurrent store lookups and publishes."""
     max_pending_publishes: int = 16
     """Publishes waiting for the store beyond this are dropped (counted), bounding memory."""
+    max_value_bytes: int = 128 * 1024 * 1024
+    """Cross-attention values larger than this are not stored (Redis caps a value at 512 MiB)."""
 
 
 class Engine:
     def __init__(self, spec: ModelSpec, session: DecoderSession, tokenizer: TextTokenizer,
-                 options: EngineOptions, store: KVStore, cache_stats: CacheStats) -> None:
+                 options: EngineOptions, store: KVStore, cache_stats: CacheStats,
+                 encoder: EncoderSession | None = None) -> None:
         self.spec = spec
         self.session = session
+        self.encoder = encoder
+        self.cross = CrossStore(store, cache_stats, options.max_value_bytes)
         self.tokenizer = tokenizer
         self.options = options
         self.stats = EngineStats()
@@ -143,7 +160,8 @@ class Engine:
              execution_provider: str = "auto", intra_op_threads: int = 0) -> Engine:
         spec = load_model_spec(model_dir)
         session = DecoderSession(spec, execution_provider, intra_op_threads)
-        return cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats)
+        encoder = EncoderSession(spec, execution_provider, intra_op_threads) if spec.encoder else None
+        return cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
 
     def close(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
@@ -155,20 +173,32 @@ class Engine:
         if self._pending_publishes:
             await asyncio.gather(*list(self._pending_publishes), return_exceptions=True)
 
-    def namespace(self, salt: str) -> Namespace:
-        """Everything this worker's prefix K/V depends on besides the tokens (DESIGN invariant 2)."""
+    def namespace(self, salt: str, encoder_input: BlockHash | None = None) -> Namespace:
+        """Everything this worker's prefix K/V depends on besides the tokens (DESIGN invariant 2):
+        for an encoder-decoder model also the encoder input, whose cross-attention feeds every
+        decoder layer, so the same decoder prompt under another encoder input never hits."""
         return Namespace(
             model_fingerprint=self.spec.fingerprint,
             block_size=self.options.block_size,
             dtype=self.session.kv_dtype.name,
             layout=CANONICAL_LAYOUT,
             salt=salt,
+            extra=encoder_input.hex() if encoder_input else "",
         )
 
-    def prompt_ids(self, request: GenerationRequest) -> list[int]:
-        """Validates ``request`` and returns its prompt token ids; raises InvalidRequest."""
-        if request.has_encoder_input:
-            raise InvalidRequest("encoder_prompt", f"model {self.spec.name} is decoder-only and takes no encoder input")
+    def encoder_input_hash(self, salt: str, array: np.ndarray) -> BlockHash:
+        """Names an encoder input (and so its cross K/V) under the model, dtype, layout and salt."""
+        return encoder_input_hash(replace(self.namespace(salt), block_size=0), array)
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validates ``request``; raises InvalidRequest (or RequestOutOfRange) naming the field."""
+        encoder_input = encoder_array(request.encoder, self.spec, self.tokenizer, self.encoder)
+        if encoder_input is not None and not request.prompt and not request.prompt_token_ids:
+            # An encoder-decoder model's decoder starts from its start token when given no prompt.
+            return PreparedRequest(self._checked([self.spec.decoder_start_token_id], request), encoder_input)
+        return PreparedRequest(self._checked(self._prompt_ids(request), request), encoder_input)
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.prompt and request.prompt_token_ids:
             raise InvalidRequest("prompt", "set either prompt or prompt_token_ids, not both")
         if request.prompt_token_ids:
@@ -182,6 +212,9 @@ class Engine:
             raise InvalidRequest("prompt", "no prompt: set prompt (text) or prompt_token_ids")
         if not ids:
             raise InvalidRequest("prompt", "the prompt encodes to no tokens")
+        return ids
+
+    def _checked(self, ids: list[int], request: GenerationRequest) -> list[int]:
         cap = self.options.max_new_tokens_cap
         if not 1 <= request.max_new_tokens <= cap:
             raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap}, got {request.max_new_tokens}")
@@ -208,6 +241,19 @@ class Engine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._store_executor, self.prefix.lookup, namespace, ids)
 
+    async def _cached_cross(self, input_hash: BlockHash, control: CacheControl) -> np.ndarray | None:
+        """The encoder input's cross K/V from the store, or None (miss, or the request skips reading)."""
+        if control.skip_read:
+            return None
+        loop = asyncio.get_running_loop()
+        s = self.spec
+        return await loop.run_in_executor(self._store_executor, self.cross.get, input_hash, s.num_layers,
+                                          s.num_kv_heads, s.head_size, self.session.kv_dtype)
+
+    def _publish_cross_later(self, input_hash: BlockHash, kv: np.ndarray) -> None:
+        """Stores freshly computed cross K/V on the store threads, off the token path."""
+        self._track(asyncio.get_running_loop().run_in_executor(self._store_executor, self.cross.put, input_hash, kv))
+
     @staticmethod
     def cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
         """Prompt tokens served from cached blocks. At least the last prompt token always runs,
@@ -227,17 +273,21 @@ class Engine:
             kv = self.session.to_canonical(prefill, len(hashes) * block_size)
             return self.prefix.publish(hashes, kv, first_block, block_size)
 
-        future = asyncio.get_running_loop().run_in_executor(self._store_executor, publish)
+        self._track(asyncio.get_running_loop().run_in_executor(self._store_executor, publish))
+
+    def _track(self, future: asyncio.Future) -> None:
         self._pending_publishes.add(future)
         future.add_done_callback(self._pending_publishes.discard)
         self.stats.publishes += 1
 
-    def _decode(self, request: GenerationRequest, ids: list[int], lookup: PrefixLookup, block_size: int,
-                run_options: ort.RunOptions, halt: threading.Event, emit: Callable[[GenerationChunk], None],
+    def _decode(self, request: GenerationRequest, prepared: PreparedRequest, lookup: PrefixLookup,
+                cross_kv: np.ndarray | None, run_options: ort.RunOptions, halt: threading.Event,
+                emit: Callable[[GenerationChunk], None], on_encoded: Callable[[np.ndarray], None],
                 on_prefill: Callable[[KVCache], None], usage: Usage, timings: Timings, t0: float) -> None:
         """The token loop of one stream, on one run thread: assemble the past from the cached
-        blocks, prefill the uncached suffix, then sample, hand each token to ``emit`` and step,
-        until a stop condition or until ``halt`` is set.
+        blocks, run the encoder unless its cross K/V came from the store (encoder-decoder models),
+        prefill the uncached suffix, then sample, hand each token to ``emit`` and step, until a
+        stop condition or until ``halt`` is set.
 
         Running the whole loop on one thread keeps the event loop off the token path: a step never
         waits for a thread hand-off or for the previous token to be sent, and a stream waiting for
@@ -245,6 +295,7 @@ class Engine:
         """
         if halt.is_set():
             return
+        ids = prepared.ids
         capacity = len(ids) + request.max_new_tokens
         cached = usage.cached_prompt_tokens
         t_assemble = time.perf_counter()
@@ -258,6 +309,11 @@ class Engine:
         sampler = Sampler(request.sampling)
         text = TextStream(self.tokenizer, request.stop)
         t_prefill = time.perf_counter()
+        if prepared.encoder_input is not None:
+            if cross_kv is None:
+                cross_kv = self.encoder.run(prepared.encoder_input)
+                on_encoded(cross_kv)
+            cache.cross = self.session.cross_values(cross_kv)
         logits, cache = self.session.run(ids[cached:], cache, run_options)
         timings.prefill_ms = (time.perf_counter() - t_prefill) * 1e3
         on_prefill(cache)
@@ -307,7 +363,8 @@ class Engine:
         is told to terminate, the token loop ends, and the stream's buffers are released.
         """
         t0 = time.perf_counter()
-        ids = self.prompt_ids(request)
+        prepared = self.prepare(request)
+        ids = prepared.ids
         request_id = request.request_id or uuid.uuid4().hex
         self.stats.started += 1
         self.stats.active += 1
@@ -317,32 +374,41 @@ class Engine:
         run_options = ort.RunOptions()
         usage = Usage(prompt_tokens=len(ids))
         timings = Timings()
-        namespace = self.namespace(request.cache.salt)
+        input_hash = None
+        if prepared.encoder_input is not None:
+            input_hash = self.encoder_input_hash(request.cache.salt, prepared.encoder_input)
+        namespace = self.namespace(request.cache.salt, input_hash)
         finished = False
 
         def emit(item: GenerationChunk | BaseException) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
-        def token_loop(lookup: PrefixLookup) -> None:
+        def token_loop(lookup: PrefixLookup, cross_kv: np.ndarray | None) -> None:
             hashes, hit_blocks = lookup.hashes, lookup.hit_blocks
+
+            def on_encoded(kv: np.ndarray) -> None:
+                if not request.cache.skip_write:
+                    loop.call_soon_threadsafe(self._publish_cross_later, input_hash, kv)
 
             def on_prefill(prefill: KVCache) -> None:
                 if not request.cache.skip_write and len(hashes) > hit_blocks:
                     loop.call_soon_threadsafe(self._publish_later, hashes, hit_blocks, prefill, namespace.block_size)
 
             try:
-                self._decode(request, ids, lookup, namespace.block_size, run_options, halt, emit, on_prefill,
+                self._decode(request, prepared, lookup, cross_kv, run_options, halt, emit, on_encoded, on_prefill,
                              usage, timings, t0)
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
                 emit(exc)
 
         try:
             t_fetch = time.perf_counter()
+            cross_kv = None if input_hash is None else await self._cached_cross(input_hash, request.cache)
+            usage.encoder_cache_hit = cross_kv is not None
             lookup = await self._lookup(ids, namespace, request.cache)
             usage.cached_prompt_tokens = self.cached_tokens(lookup.hit_blocks, namespace.block_size, len(ids))
             timings.cache_fetch_ms = (time.perf_counter() - t_fetch) * 1e3
-            loop.run_in_executor(self._executor, token_loop, lookup)
-            del lookup  # the token loop owns the fetched blocks now
+            loop.run_in_executor(self._executor, token_loop, lookup, cross_kv)
+            del lookup, cross_kv  # the token loop owns the fetched values now
             while not finished:
                 chunk = self._merge_ready(await queue.get(), queue)
                 finished = chunk.finish_reason is not None

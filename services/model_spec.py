@@ -40,6 +40,21 @@ class KVNames:
 
 
 @dataclass(frozen=True, slots=True)
+class EncoderSpec:
+    """The encoder of an encoder-decoder model: one input (token ids or float features) in, the
+    cross-attention K/V of every decoder layer out (each ``[batch, heads, encoder_seq, head]``)."""
+
+    onnx_path: Path
+    input_name: str
+    cross_outputs: tuple[tuple[str, str], ...]
+    """Per decoder layer, the encoder's (key, value) output names."""
+    cross_inputs: tuple[tuple[str, str], ...]
+    """Per decoder layer, the decoder's (key, value) input names for the same tensors."""
+    context_length: int | None
+    """Most encoder input tokens, where the model states it."""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A decoder model's geometry, names and identity (all lengths in tokens)."""
 
@@ -62,6 +77,10 @@ class ModelSpec:
     past_present_share_buffer: bool
     """genai_config's search.past_present_share_buffer: the graph can append K/V in place."""
     fingerprint: str
+    encoder: EncoderSpec | None = None
+    """Set for encoder-decoder models."""
+    decoder_start_token_id: int | None = None
+    """First decoder token of an encoder-decoder model when the request has no decoder prompt."""
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Self-attention K/V bytes one token occupies: 2 x layers x kv_heads x head_size x element."""
@@ -82,6 +101,20 @@ def _kv_names(inputs: dict, outputs: dict, num_layers: int) -> KVNames:
         past = tuple((pk % i, pv % i) for i in range(num_layers))
         present = tuple((ok % i, ov % i) for i in range(num_layers))
     return KVNames(layout=layout, past=past, present=present)
+
+
+def _encoder_spec(folder: Path, model: dict, num_layers: int) -> EncoderSpec:
+    encoder, decoder = model["encoder"], model["decoder"]
+    enc_out, dec_in = encoder["outputs"], decoder["inputs"]
+    return EncoderSpec(
+        onnx_path=folder / encoder["filename"],
+        input_name=next(iter(encoder["inputs"].values())),
+        cross_outputs=tuple((enc_out["cross_present_key_names"] % i, enc_out["cross_present_value_names"] % i)
+                            for i in range(num_layers)),
+        cross_inputs=tuple((dec_in["cross_past_key_names"] % i, dec_in["cross_past_value_names"] % i)
+                           for i in range(num_layers)),
+        context_length=encoder.get("context_length"),
+    )
 
 
 def _model_files(folder: Path, filename: str) -> list[Path]:
@@ -118,10 +151,14 @@ def load_model_spec(folder: Path) -> ModelSpec:
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos]))
         onnx_path = folder / decoder["filename"]
         files = _model_files(folder, decoder["filename"])
+        encoder = _encoder_spec(folder, model, num_layers) if "encoder" in model else None
+        if encoder is not None:
+            files += _model_files(folder, model["encoder"]["filename"])
         kv = _kv_names(inputs, outputs, num_layers)
         shaping = {
             "layers": num_layers, "heads": num_heads, "kv_heads": num_kv_heads, "head_size": head_size,
             "layout": kv.layout.value, "past": kv.flat_past, "present": kv.flat_present,
+            "encoder": encoder is not None,
         }
         return ModelSpec(
             name=folder.resolve().name,
@@ -142,6 +179,8 @@ def load_model_spec(folder: Path) -> ModelSpec:
             kv=kv,
             past_present_share_buffer=bool(config.get("search", {}).get("past_present_share_buffer", False)),
             fingerprint=fingerprint(files, shaping),
+            encoder=encoder,
+            decoder_start_token_id=model.get("decoder_start_token_id", model.get("bos_token_id")),
         )
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{exc.filename}: not found; a model folder needs genai_config.json and its ONNX file") from exc

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -49,6 +50,8 @@ class KVCache:
     """Shared-buffer mode: the stream's binding, past and present bound once for all its steps."""
     step_logits: np.ndarray | None = None
     """Shared-buffer mode: host buffer ``[1, 1, vocab]`` bound as the logits of one-token steps."""
+    cross: list[ort.OrtValue] | None = None
+    """Encoder-decoder models: the cross-attention K/V inputs, in ``spec.encoder.cross_inputs`` order."""
 
 
 def _aligned_zeros(shape: list[int], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
@@ -75,29 +78,43 @@ def choose_providers(requested: str) -> list[str]:
     return [CUDA, CPU] if CUDA in available else [CPU]
 
 
+def open_session(path: Path, execution_provider: str, intra_op_threads: int) -> ort.InferenceSession:
+    """An ONNX Runtime session on the best available provider; raises ModelLoadError."""
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(path), sess_options=options, providers=choose_providers(execution_provider))
+    except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
+            ort.capi.onnxruntime_pybind11_state.NoSuchFile, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as exc:
+        raise ModelLoadError(f"{path}: ONNX Runtime cannot load it: {exc}") from exc
+
+
+def device_of(session: ort.InferenceSession) -> tuple[str, int]:
+    """Where the session keeps tensors. ONNX Runtime silently falls back to CPU when CUDA is listed
+    but no GPU can be used, so this asks the session, not the request."""
+    return ("cuda", 0) if session.get_providers()[0] == CUDA else ("cpu", 0)
+
+
+def input_dtypes(session: ort.InferenceSession, path: Path) -> dict[str, np.dtype]:
+    types = {i.name: i.type for i in session.get_inputs()}
+    unsupported = {n: t for n, t in types.items() if t not in _ORT_TYPES}
+    if unsupported:
+        raise ModelLoadError(f"{path}: inputs of unsupported types {unsupported}")
+    return {n: np.dtype(_ORT_TYPES[t]) for n, t in types.items()}
+
+
 class DecoderSession:
     """Runs a decoder on token ids after a cached past; knows nothing of requests or the network."""
 
     def __init__(self, spec: ModelSpec, execution_provider: str = "auto", intra_op_threads: int = 0) -> None:
         self.spec = spec
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.log_severity_level = 3
-        try:
-            self._session = ort.InferenceSession(
-                str(spec.onnx_path), sess_options=options, providers=choose_providers(execution_provider)
-            )
-        except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
-                ort.capi.onnxruntime_pybind11_state.NoSuchFile, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as exc:
-            raise ModelLoadError(f"{spec.onnx_path}: ONNX Runtime cannot load it: {exc}") from exc
-        # ONNX Runtime silently falls back to CPU when CUDA is listed but no GPU can be used.
+        self._session = open_session(spec.onnx_path, execution_provider, intra_op_threads)
         self.execution_provider = self._session.get_providers()[0]
-        self._device = ("cuda", 0) if self.execution_provider == CUDA else ("cpu", 0)
+        self._device = device_of(self._session)
         types = {i.name: i.type for i in self._session.get_inputs()}
         self._check_names(types)
-        unsupported = {n: t for n, t in types.items() if t not in _ORT_TYPES}
-        if unsupported:
-            raise ModelLoadError(f"{spec.onnx_path}: inputs of unsupported types {unsupported}")
+        input_dtypes(self._session, spec.onnx_path)
         self._ids_dtype = _ORT_TYPES[types[spec.input_ids_name]]
         self._mask_dtype = _ORT_TYPES[types[spec.attention_mask_name]] if spec.attention_mask_name in types else None
         self._pos_dtype = _ORT_TYPES[types[spec.position_ids_name]] if spec.position_ids_name in types else None
@@ -158,6 +175,13 @@ class DecoderSession:
             offset += n
         return self._to_device(arrays, tokens, capacity)
 
+    def cross_values(self, kv: np.ndarray) -> list[ort.OrtValue]:
+        """Cross-attention K/V (canonical ``[layers, 2, heads, encoder_tokens, head]``) as the
+        decoder's inputs, on the session's device."""
+        kv = kv.astype(self.kv_dtype, copy=False)
+        return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(kv[layer, j][None]), *self._device)
+                for layer in range(kv.shape[0]) for j in (0, 1)]
+
     def to_canonical(self, cache: KVCache, tokens: int) -> np.ndarray:
         """The first ``tokens`` of ``cache`` as one host array ``[layers, 2, kv_heads, tokens, head]``."""
         views = self._layer_views([value.numpy() for value in cache.values])
@@ -168,6 +192,10 @@ class DecoderSession:
         binding = self._session.io_binding()
         for name, value in zip(self.spec.kv.flat_past, cache.values, strict=True):
             binding.bind_ortvalue_input(name, value)
+        if self.spec.encoder is not None:
+            names = [n for layer in self.spec.encoder.cross_inputs for n in layer]
+            for name, value in zip(names, cache.cross, strict=True):
+                binding.bind_ortvalue_input(name, value)
         # Logits first, so that they are output 0 however often they are bound again.
         binding.bind_output(self.spec.logits_name, "cpu")
         for name, value in zip(self.spec.kv.flat_present, cache.values, strict=True):
@@ -208,8 +236,8 @@ class DecoderSession:
             logits = cache.step_logits if one_step else binding.get_outputs()[0].numpy()
             # Some graphs emit logits for every position, others only for the last one.
             last = logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32)
-            return last, KVCache(cache.values, total, cache.capacity, binding, cache.step_logits)
+            return last, KVCache(cache.values, total, cache.capacity, binding, cache.step_logits, cache.cross)
         outputs = binding.get_outputs()
         logits = outputs[0].numpy()
         last = logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32, copy=False)
-        return last, KVCache(values=list(outputs[1:]), length=total, capacity=total)
+        return last, KVCache(values=list(outputs[1:]), length=total, capacity=total, cross=cache.cross)

@@ -17,6 +17,7 @@ import grpc
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.engine import CacheControl, Engine, FinishReason, GenerationChunk, GenerationRequest
+from services.encoder_input import EncoderFeatures, EncoderRequest
 from services.errors import InvalidRequest, RequestOutOfRange
 from services.sampling import SamplingConfig
 
@@ -64,8 +65,13 @@ def engine_request(request: pb.GenerateRequest) -> GenerationRequest:
         stop=list(request.stop),
         ignore_eos=request.ignore_eos,
         request_id=request.request_id,
-        has_encoder_input=bool(
-            request.encoder_prompt or request.encoder_prompt_token_ids or request.HasField("encoder_features")
+        encoder=EncoderRequest(
+            prompt=request.encoder_prompt or None,
+            token_ids=list(request.encoder_prompt_token_ids) or None,
+            features=EncoderFeatures(
+                shape=tuple(request.encoder_features.shape), dtype=request.encoder_features.dtype,
+                data=request.encoder_features.data,
+            ) if request.HasField("encoder_features") else None,
         ),
         cache=CacheControl(
             skip_read=request.cache.skip_read, skip_write=request.cache.skip_write, salt=request.cache.salt
@@ -131,6 +137,6 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             vocab_size=spec.vocab_size,
             kv_bytes_per_token=spec.kv_bytes_per_token(session.kv_dtype.itemsize),
             block_size=self._engine.options.block_size,
-            encoder_decoder=False,
+            encoder_decoder=spec.encoder is not None,
             execution_provider=session.execution_provider,
         )

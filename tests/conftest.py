@@ -121,3 +121,11 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> N
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def encdec_model(tmp_path_factory) -> Path:
+    """The tiny seeded T5-like encoder-decoder."""
+    from services.modelbuild.folder import write_encoder_decoder_folder
+
+    return write_encoder_decoder_folder(tmp_path_factory.mktemp("models") / "encdec-tiny", "tiny")

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
+from services.modelbuild.graph_writer import MS_DOMAIN, GraphWriter
 from services.modelbuild.presets import DecoderShape, KVLayout
-
-OPSET = 17
-MS_DOMAIN = "com.microsoft"
 
 
 def past_names(layout: KVLayout, layer: int) -> list[str]:
@@ -33,28 +31,6 @@ def present_names(layout: KVLayout, layer: int) -> list[str]:
     return [f"present_{layer}"]
 
 
-class _GraphWriter:
-    """Accumulates nodes and seeded initializers in a fixed order (so the bytes are reproducible)."""
-
-    def __init__(self, seed: int) -> None:
-        self.rng = np.random.default_rng(seed)
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-
-    def weight(self, name: str, shape: tuple[int, ...], std: float) -> str:
-        values = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-        self.initializers.append(numpy_helper.from_array(values, name))
-        return name
-
-    def const(self, name: str, values: np.ndarray) -> str:
-        self.initializers.append(numpy_helper.from_array(values, name))
-        return name
-
-    def node(self, op: str, inputs: list[str], output: str, domain: str = "", **attrs) -> str:
-        self.nodes.append(helper.make_node(op, inputs, [output], name=output, domain=domain, **attrs))
-        return output
-
-
 def _rope_cache(shape: DecoderShape) -> tuple[np.ndarray, np.ndarray]:
     half = shape.head_size // 2
     inv_freq = 1.0 / (shape.rope_theta ** (np.arange(half, dtype=np.float64) * 2 / shape.head_size))
@@ -64,7 +40,7 @@ def _rope_cache(shape: DecoderShape) -> tuple[np.ndarray, np.ndarray]:
 
 def build_decoder_graph(shape: DecoderShape, layout: KVLayout, seed: int) -> onnx.ModelProto:
     """Returns the decoder as an ONNX model with seeded weights (same arguments, same bytes)."""
-    g = _GraphWriter(seed)
+    g = GraphWriter(seed)
     h, d, kv = shape.hidden_size, shape.head_size, shape.num_kv_heads
     std = shape.init_std
 
@@ -101,10 +77,7 @@ def build_decoder_graph(shape: DecoderShape, layout: KVLayout, seed: int) -> onn
     x = g.node("Gather", [g.weight("model.embed_tokens.weight", (shape.vocab_size, h), 1.0), "input_ids"], "embeddings", axis=0)
     for layer in range(shape.num_layers):
         p = f"model.layers.{layer}"
-        normed = g.node(
-            "SimplifiedLayerNormalization", [x, g.const(f"{p}.input_layernorm.weight", np.ones(h, np.float32))],
-            f"{p}.attn_norm", axis=-1, epsilon=shape.rms_eps,
-        )
+        normed = g.rms_norm(x, f"{p}.input_layernorm", h, shape.rms_eps)
         q = g.node("MatMul", [normed, g.weight(f"{p}.attn.q_proj.weight", (h, h), std)], f"{p}.q")
         k = g.node("MatMul", [normed, g.weight(f"{p}.attn.k_proj.weight", (h, kv * d), std)], f"{p}.k")
         v = g.node("MatMul", [normed, g.weight(f"{p}.attn.v_proj.weight", (h, kv * d), std)], f"{p}.v")
@@ -135,28 +108,10 @@ def build_decoder_graph(shape: DecoderShape, layout: KVLayout, seed: int) -> onn
             g.node("Concat", stacked, present_names(layout, layer)[0], axis=0)
         o = g.node("MatMul", [f"{p}.attn_out", g.weight(f"{p}.attn.o_proj.weight", (h, h), std)], f"{p}.o")
         x = g.node("Add", [x, o], f"{p}.attn_residual")
-        normed = g.node(
-            "SimplifiedLayerNormalization", [x, g.const(f"{p}.post_attention_layernorm.weight", np.ones(h, np.float32))],
-            f"{p}.mlp_norm", axis=-1, epsilon=shape.rms_eps,
-        )
-        gate = g.node("MatMul", [normed, g.weight(f"{p}.mlp.gate_proj.weight", (h, shape.intermediate_size), std)], f"{p}.gate")
-        up = g.node("MatMul", [normed, g.weight(f"{p}.mlp.up_proj.weight", (h, shape.intermediate_size), std)], f"{p}.up")
-        silu = g.node("Mul", [gate, g.node("Sigmoid", [gate], f"{p}.gate_sigmoid")], f"{p}.silu")
-        down = g.node("MatMul", [g.node("Mul", [silu, up], f"{p}.swiglu"), g.weight(f"{p}.mlp.down_proj.weight", (shape.intermediate_size, h), std)], f"{p}.down")
-        x = g.node("Add", [x, down], f"{p}.mlp_residual")
-    normed = g.node(
-        "SimplifiedLayerNormalization", [x, g.const("model.norm.weight", np.ones(h, np.float32))],
-        "final_norm", axis=-1, epsilon=shape.rms_eps,
-    )
+        normed = g.rms_norm(x, f"{p}.post_attention_layernorm", h, shape.rms_eps)
+        x = g.node("Add", [x, g.swiglu(normed, f"{p}.mlp", h, shape.intermediate_size, std)], f"{p}.mlp_residual")
+    normed = g.rms_norm(x, "model.norm", h, shape.rms_eps)
     # RMSNorm output has unit scale, so a head with std logit_std/sqrt(h) gives logits of std logit_std.
     g.node("MatMul", [normed, g.weight("lm_head.weight", (h, shape.vocab_size), shape.logit_std / np.sqrt(h))], "logits")
 
-    graph = helper.make_graph(g.nodes, "kvshare_decoder", inputs, outputs, g.initializers)
-    model = helper.make_model(
-        graph,
-        opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
-        producer_name="kvshare",
-        producer_version="1",
-    )
-    model.ir_version = 8
-    return model
+    return g.model("kvshare_decoder", inputs, outputs)

@@ -8,11 +8,19 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from services.modelbuild import encdec_graph
 from services.modelbuild.decoder_graph import build_decoder_graph, past_names, present_names
-from services.modelbuild.presets import DECODER_PRESETS, DecoderShape, KVLayout
+from services.modelbuild.presets import (
+    DECODER_PRESETS,
+    ENCODER_DECODER_PRESETS,
+    DecoderShape,
+    EncoderDecoderShape,
+    KVLayout,
+)
 from services.modelbuild.tokenizer_build import build_tokenizer
 
 MODEL_FILE = "model.onnx"
+ENCODER_FILE, DECODER_FILE = "encoder.onnx", "decoder.onnx"
 
 
 def genai_config(shape: DecoderShape, layout: KVLayout, bos: int, eos: int, pad: int) -> dict:
@@ -44,23 +52,89 @@ def genai_config(shape: DecoderShape, layout: KVLayout, bos: int, eos: int, pad:
             "type": "llama" if layout is KVLayout.SEPARATE else "gpt2",
             "vocab_size": shape.vocab_size,
         },
-        "search": {
-            "diversity_penalty": 0.0,
-            "do_sample": False,
-            "early_stopping": True,
-            "length_penalty": 1.0,
-            "max_length": shape.context_length,
-            "min_length": 0,
-            "no_repeat_ngram_size": 0,
-            "num_beams": 1,
-            "num_return_sequences": 1,
-            "past_present_share_buffer": layout is KVLayout.SEPARATE,
-            "repetition_penalty": 1.0,
-            "temperature": 1.0,
-            "top_k": 1,
-            "top_p": 1.0,
-        },
+        "search": _search(shape.context_length, share_buffer=layout is KVLayout.SEPARATE),
     }
+
+
+def _search(context_length: int, share_buffer: bool) -> dict:
+    return {
+        "diversity_penalty": 0.0,
+        "do_sample": False,
+        "early_stopping": True,
+        "length_penalty": 1.0,
+        "max_length": context_length,
+        "min_length": 0,
+        "no_repeat_ngram_size": 0,
+        "num_beams": 1,
+        "num_return_sequences": 1,
+        "past_present_share_buffer": share_buffer,
+        "repetition_penalty": 1.0,
+        "temperature": 1.0,
+        "top_k": 1,
+        "top_p": 1.0,
+    }
+
+
+def encoder_decoder_config(shape: EncoderDecoderShape, bos: int, eos: int, pad: int) -> dict:
+    """genai_config.json of the T5-like model, with ONNX Runtime GenAI's Whisper key names."""
+    g = encdec_graph
+    heads = {"head_size": shape.head_size, "hidden_size": shape.hidden_size,
+             "num_attention_heads": shape.num_heads, "num_key_value_heads": shape.num_heads}
+    return {
+        "model": {
+            "bos_token_id": bos,
+            "context_length": shape.context_length,
+            "decoder_start_token_id": pad,
+            "encoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": ENCODER_FILE,
+                **heads,
+                "num_hidden_layers": shape.encoder_layers,
+                "context_length": shape.encoder_context_length,
+                "inputs": {"input_ids": "input_ids"},
+                "outputs": {"cross_present_key_names": g.CROSS_KEY, "cross_present_value_names": g.CROSS_VALUE},
+            },
+            "decoder": {
+                "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
+                "filename": DECODER_FILE,
+                **heads,
+                "num_hidden_layers": shape.decoder_layers,
+                "inputs": {
+                    "input_ids": "input_ids",
+                    "past_key_names": g.PAST_SELF_KEY,
+                    "past_value_names": g.PAST_SELF_VALUE,
+                    "cross_past_key_names": g.PAST_CROSS_KEY,
+                    "cross_past_value_names": g.PAST_CROSS_VALUE,
+                },
+                "outputs": {"logits": "logits", "present_key_names": g.PRESENT_SELF_KEY,
+                            "present_value_names": g.PRESENT_SELF_VALUE},
+            },
+            "eos_token_id": eos,
+            "pad_token_id": pad,
+            "type": "t5",
+            "vocab_size": shape.vocab_size,
+        },
+        "search": _search(shape.context_length, share_buffer=False),
+    }
+
+
+def write_encoder_decoder_folder(out_dir: Path, preset: str, seed: int = 0) -> Path:
+    """Builds the seeded T5-like encoder-decoder ``preset`` into ``out_dir`` (created)."""
+    shape = ENCODER_DECODER_PRESETS[preset]
+    tok = build_tokenizer(shape.vocab_size, seed=seed)
+    encoder, decoder = encdec_graph.build_encoder_decoder(shape, seed=seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / ENCODER_FILE).write_bytes(encoder.SerializeToString())
+    (out_dir / DECODER_FILE).write_bytes(decoder.SerializeToString())
+    config = encoder_decoder_config(shape, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    _write_common(out_dir, config, tok)
+    return out_dir
+
+
+def _write_common(out_dir: Path, config: dict, tok) -> None:
+    (out_dir / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
+    (out_dir / "tokenizer.json").write_text(tok.tokenizer_json, encoding="utf-8")
+    (out_dir / "tokenizer_config.json").write_text(tok.tokenizer_config_json, encoding="utf-8")
 
 
 def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int = 0) -> Path:
@@ -70,8 +144,5 @@ def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int
     model = build_decoder_graph(shape, layout, seed=seed)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODEL_FILE).write_bytes(model.SerializeToString())
-    config = genai_config(shape, layout, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
-    (out_dir / "genai_config.json").write_text(json.dumps(config, indent=4) + "\n", encoding="utf-8")
-    (out_dir / "tokenizer.json").write_text(tok.tokenizer_json, encoding="utf-8")
-    (out_dir / "tokenizer_config.json").write_text(tok.tokenizer_config_json, encoding="utf-8")
+    _write_common(out_dir, genai_config(shape, layout, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id), tok)
     return out_dir

@@ -59,3 +59,44 @@ DECODER_PRESETS: dict[str, DecoderShape] = {
         vocab_size=8000, context_length=4096,
     ),
 }
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderDecoderShape:
+    """A T5-like text-to-text model: a bidirectional encoder whose output is projected once into
+    every decoder layer's cross-attention K/V, and a causal decoder with self-attention K/V.
+    Pre-RMSNorm blocks, SwiGLU MLPs, learned absolute positions, multi-head attention."""
+
+    encoder_layers: int
+    decoder_layers: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    vocab_size: int
+    context_length: int
+    """Most decoder tokens (prompt + generated)."""
+    encoder_context_length: int
+    """Most encoder input tokens."""
+    rms_eps: float = 1e-5
+    init_std: float = 0.05
+    logit_std: float = 16.0
+
+    @property
+    def head_size(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+ENCODER_DECODER_PRESETS: dict[str, EncoderDecoderShape] = {
+    "tiny": EncoderDecoderShape(
+        encoder_layers=2, decoder_layers=2, hidden_size=64, num_heads=4, intermediate_size=176,
+        vocab_size=512, context_length=512, encoder_context_length=512,
+    ),
+    "small": EncoderDecoderShape(
+        encoder_layers=4, decoder_layers=4, hidden_size=256, num_heads=8, intermediate_size=704,
+        vocab_size=2048, context_length=1024, encoder_context_length=1024,
+    ),
+    "bench": EncoderDecoderShape(
+        encoder_layers=6, decoder_layers=6, hidden_size=512, num_heads=8, intermediate_size=1408,
+        vocab_size=8000, context_length=2048, encoder_context_length=2048,
+    ),
+}

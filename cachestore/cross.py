@@ -1,0 +1,56 @@
+"""Cross-attention K/V of an encoder-decoder model in a store: one checked value per encoder input.
+
+The value holds every decoder layer's cross K and V in the canonical layout
+``[layers, 2 (k, v), heads, encoder_tokens, head_dim]`` (same codec and checks as prefix blocks,
+kind CROSS_KV). A value larger than ``max_value_bytes`` is not stored at all (counted): it is
+skipped by rule, never split and never half-written.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from cachestore.codec import CodecError, Expected, ValueKind, decode, encode
+from cachestore.keys import BlockHash, cross_key
+from cachestore.stats import CacheStats
+from cachestore.store import KVStore
+
+log = logging.getLogger(__name__)
+
+
+class CrossStore:
+    def __init__(self, store: KVStore, stats: CacheStats, max_value_bytes: int) -> None:
+        self.store = store
+        self.stats = stats
+        self.max_value_bytes = max_value_bytes
+
+    def get(self, input_hash: BlockHash, layers: int, heads: int, head_dim: int, dtype: np.dtype) -> np.ndarray | None:
+        """The cached cross K/V of an encoder input, or None (a bad value is counted and deleted)."""
+        key = cross_key(input_hash)
+        value = self.store.get(key)
+        if value is None:
+            self.stats.add(cross_misses=1)
+            return None
+        try:
+            kv = decode(value, Expected(ValueKind.CROSS_KV, input_hash, dtype))
+            if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (layers, 2, heads, head_dim):
+                raise CodecError(f"shape {kv.shape} does not fit {layers} layers x {heads} heads x {head_dim}")
+        except CodecError as exc:
+            self.stats.add(corrupt_values=1, cross_misses=1)
+            log.warning("cache value %s rejected (%s); deleted, running the encoder instead", key, exc)
+            self.store.delete([key])
+            return None
+        self.stats.add(cross_hits=1, bytes_read=len(value))
+        return kv
+
+    def put(self, input_hash: BlockHash, kv: np.ndarray) -> bool:
+        """Stores the cross K/V set-if-absent, unless its value would exceed ``max_value_bytes``."""
+        value = encode(ValueKind.CROSS_KV, input_hash, kv)
+        if len(value) > self.max_value_bytes:
+            self.stats.add(values_too_large=1)
+            return False
+        written = self.store.put(cross_key(input_hash), value)
+        self.stats.add(bytes_sent=len(value))
+        return written

@@ -1,0 +1,79 @@
+"""The encoder input of an encoder-decoder request: validated and turned into the array the
+encoder takes (token ids ``[1, tokens]`` or float features of the model's shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from services.errors import InvalidRequest, RequestOutOfRange
+from services.model_spec import ModelSpec
+from services.onnx_encoder import EncoderSession
+from services.tokenizer import TextTokenizer
+
+_FEATURE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+
+
+@dataclass(frozen=True, slots=True)
+class EncoderFeatures:
+    """A dense tensor from the request: ``data`` is little-endian, C order."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    data: bytes
+
+
+@dataclass(slots=True)
+class EncoderRequest:
+    """At most one of the three is set by a client; validation enforces exactly one."""
+
+    prompt: str | None = None
+    token_ids: list[int] | None = None
+    features: EncoderFeatures | None = None
+
+    @property
+    def given(self) -> list[str]:
+        names = {"encoder_prompt": self.prompt, "encoder_prompt_token_ids": self.token_ids,
+                 "encoder_features": self.features}
+        return [name for name, value in names.items() if value]
+
+
+def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextTokenizer,
+                  encoder: EncoderSession | None) -> np.ndarray | None:
+    """The encoder's input for ``request``, or None for a decoder-only model; raises InvalidRequest."""
+    given = request.given
+    if encoder is None:
+        if given:
+            raise InvalidRequest(given[0], f"model {spec.name} is decoder-only and takes no encoder input")
+        return None
+    if len(given) != 1:
+        detail = "is required" if not given else f"got {', '.join(given)}"
+        raise InvalidRequest("encoder_prompt", f"model {spec.name} is encoder-decoder: exactly one of "
+                             f"encoder_prompt, encoder_prompt_token_ids, encoder_features {detail}")
+    field = given[0]
+    if request.features is not None:
+        if encoder.takes_token_ids:
+            raise InvalidRequest(field, "this encoder takes token ids: use encoder_prompt or encoder_prompt_token_ids")
+        f = request.features
+        dtype = _FEATURE_DTYPES.get(f.dtype)
+        if dtype is None:
+            raise InvalidRequest(f"{field}.dtype", f"{f.dtype!r} is not one of {sorted(_FEATURE_DTYPES)}")
+        if any(d <= 0 for d in f.shape) or len(f.data) != int(np.prod(f.shape, dtype=np.int64)) * dtype.itemsize:
+            raise InvalidRequest(f"{field}.data", f"{len(f.data)} bytes do not hold a {f.dtype} tensor of shape {list(f.shape)}")
+        array = np.frombuffer(f.data, dtype=dtype).reshape(f.shape).astype(dtype.newbyteorder("="))
+    else:
+        if not encoder.takes_token_ids:
+            raise InvalidRequest(field, "this encoder takes float features: use encoder_features")
+        ids = request.token_ids if request.token_ids else tokenizer.encode(request.prompt or "")
+        for i, t in enumerate(ids):
+            if not 0 <= t < spec.vocab_size:
+                raise InvalidRequest(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {spec.vocab_size})")
+        if not ids:
+            raise InvalidRequest(field, "the encoder prompt encodes to no tokens")
+        limit = spec.encoder.context_length
+        if limit is not None and len(ids) > limit:
+            raise RequestOutOfRange(field, f"{len(ids)} tokens exceed the encoder's context length of {limit}")
+        array = np.asarray([ids], dtype=encoder.input_dtype)
+    encoder.check_input(array, field)
+    return array

@@ -1,0 +1,55 @@
+"""A small writer for ONNX graphs with seeded weights, shared by the model builders."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+OPSET = 17
+MS_DOMAIN = "com.microsoft"
+
+
+class GraphWriter:
+    """Accumulates nodes and seeded initializers in a fixed order (so the bytes are reproducible)."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.nodes: list[onnx.NodeProto] = []
+        self.initializers: list[onnx.TensorProto] = []
+
+    def weight(self, name: str, shape: tuple[int, ...], std: float) -> str:
+        values = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        self.initializers.append(numpy_helper.from_array(values, name))
+        return name
+
+    def const(self, name: str, values: np.ndarray) -> str:
+        self.initializers.append(numpy_helper.from_array(values, name))
+        return name
+
+    def node(self, op: str, inputs: list[str], output: str, domain: str = "", **attrs) -> str:
+        self.nodes.append(helper.make_node(op, inputs, [output], name=output, domain=domain, **attrs))
+        return output
+
+    def rms_norm(self, x: str, name: str, width: int, eps: float) -> str:
+        weight = self.const(f"{name}.weight", np.ones(width, np.float32))
+        return self.node("SimplifiedLayerNormalization", [x, weight], name, axis=-1, epsilon=eps)
+
+    def swiglu(self, x: str, prefix: str, width: int, inner: int, std: float) -> str:
+        """SwiGLU MLP: down(silu(x @ gate) * (x @ up))."""
+        gate = self.node("MatMul", [x, self.weight(f"{prefix}.gate_proj.weight", (width, inner), std)], f"{prefix}.gate")
+        up = self.node("MatMul", [x, self.weight(f"{prefix}.up_proj.weight", (width, inner), std)], f"{prefix}.up")
+        silu = self.node("Mul", [gate, self.node("Sigmoid", [gate], f"{prefix}.gate_sigmoid")], f"{prefix}.silu")
+        return self.node("MatMul", [self.node("Mul", [silu, up], f"{prefix}.swiglu"),
+                                    self.weight(f"{prefix}.down_proj.weight", (inner, width), std)], f"{prefix}.down")
+
+    def model(self, name: str, inputs: list, outputs: list) -> onnx.ModelProto:
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, self.initializers)
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)],
+            producer_name="kvshare",
+            producer_version="1",
+        )
+        model.ir_version = 8
+        return model

@@ -1,0 +1,50 @@
+"""The encoder session of an encoder-decoder model: one input in, every decoder layer's
+cross-attention K/V out, in the canonical layout ``[layers, 2 (k, v), heads, encoder_tokens, head]``."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from services.errors import InvalidRequest, ModelLoadError
+from services.model_spec import ModelSpec
+from services.onnx_decoder import input_dtypes, open_session
+
+
+class EncoderSession:
+    def __init__(self, spec: ModelSpec, execution_provider: str = "auto", intra_op_threads: int = 0) -> None:
+        assert spec.encoder is not None, "an encoder-decoder model"
+        self.spec = spec.encoder
+        self._session = open_session(self.spec.onnx_path, execution_provider, intra_op_threads)
+        dtypes = input_dtypes(self._session, self.spec.onnx_path)
+        if self.spec.input_name not in dtypes:
+            raise ModelLoadError(f"{self.spec.onnx_path}: no input named {self.spec.input_name!r}")
+        self.input_dtype = dtypes[self.spec.input_name]
+        shape = next(i.shape for i in self._session.get_inputs() if i.name == self.spec.input_name)
+        self.input_shape: list[int | None] = [d if isinstance(d, int) else None for d in shape]
+        """Fixed dimensions of the input; None where the model accepts any size."""
+        self._outputs = [n for layer in self.spec.cross_outputs for n in layer]
+        self._lock = threading.Lock()
+        self.runs = 0
+
+    @property
+    def takes_token_ids(self) -> bool:
+        return self.input_dtype.kind in "iu"
+
+    def check_input(self, array: np.ndarray, field: str) -> None:
+        """Raises InvalidRequest unless ``array`` fits the encoder's input (dtype, rank, fixed dims)."""
+        if array.dtype != self.input_dtype:
+            raise InvalidRequest(field, f"dtype {array.dtype} given, the encoder takes {self.input_dtype}")
+        if array.ndim != len(self.input_shape) or any(
+                want is not None and want != got for want, got in zip(self.input_shape, array.shape, strict=True)):
+            wanted = ["*" if d is None else d for d in self.input_shape]
+            raise InvalidRequest(field, f"shape {list(array.shape)} given, the encoder takes {wanted}")
+
+    def run(self, array: np.ndarray) -> np.ndarray:
+        """The cross K/V for ``array`` (already checked), canonical and on the host."""
+        outputs = self._session.run(self._outputs, {self.spec.input_name: array})
+        with self._lock:
+            self.runs += 1
+        layers = [np.stack([outputs[2 * i][0], outputs[2 * i + 1][0]]) for i in range(len(self.spec.cross_outputs))]
+        return np.stack(layers)
