@@ -28,6 +28,7 @@ class Settings:
     cache_connect_timeout_ms: float = field(default=100.0, metadata={"help": "Deadline for opening a connection to the store."})
     cache_max_connections: int = field(default=32, metadata={"help": "Connections per Redis node in the worker's pool."})
     cache_memory_bytes: int = field(default=512 * 1024 * 1024, metadata={"help": "Size bound of the memory:// store."})
+    cache_max_value_bytes: int = field(default=128 * 1024 * 1024, metadata={"help": "Cross-attention K/V values larger than this are not stored (skipped, never split)."})
     cache_l1_bytes: int = field(default=256 * 1024 * 1024, metadata={"help": "Size bound of the in-worker L1 of a tiered+ store."})
     breaker_failures: int = field(default=3, metadata={"help": "Consecutive store failures that open the circuit breaker."})
     breaker_backoff_ms: float = field(default=1000.0, metadata={"help": "First pause before the breaker probes the store again (doubles per failed probe)."})

@@ -38,7 +38,8 @@ def load_engine(settings: Settings) -> Engine:
     store = open_store(settings.cache_url, store_options(settings), stats)
     log.info("cache store: %s", store.name)
     options = EngineOptions(
-        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, run_threads=settings.run_threads
+        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, run_threads=settings.run_threads,
+        max_value_bytes=settings.cache_max_value_bytes,
     )
     return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads)
 
