@@ -70,17 +70,23 @@ def stub(worker):
         yield pb_grpc.GeneratorStub(channel)
 
 
-def engine_greedy(engine: Engine, prompt_ids: list[int], n: int) -> list[int]:
-    """The engine's greedy ids for ``prompt_ids``, ``n`` tokens, EOS not stopping generation."""
+def collect(engine: Engine, request: GenerationRequest):
+    """Runs ``request`` to its end and waits for its publishes; returns (token ids, last chunk)."""
 
-    async def run() -> list[int]:
-        out = []
-        request = GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=n, ignore_eos=True)
+    async def run():
+        out, last = [], None
         async for chunk in engine.generate(request):
             out.extend(chunk.token_ids)
-        return out
+            last = chunk
+        await engine.wait_for_publishes()
+        return out, last
 
     return asyncio.run(run())
+
+
+def engine_greedy(engine: Engine, prompt_ids: list[int], n: int) -> list[int]:
+    """The engine's greedy ids for ``prompt_ids``, ``n`` tokens, EOS not stopping generation."""
+    return collect(engine, GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=n, ignore_eos=True))[0]
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,6 @@
 """Encoder-decoder models: the shared cross-attention cache and its namespace rules, against a
 real redis-server (in-process engines, and `kvshare serve` replicas)."""
 
-import asyncio
 import hashlib
 import subprocess
 import sys
@@ -14,7 +13,7 @@ import pytest
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import cross_key
 from cachestore.stats import CacheStats
-from conftest import record_margin, wait_until
+from conftest import collect, record_margin, wait_until
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
@@ -35,17 +34,10 @@ def make_engine(folder, url, **options):
 
 
 def generate(engine, decoder_ids, encoder_ids=ENCODER_IDS, n=12, **cache):
-    async def run():
-        out, last = [], None
-        request = GenerationRequest(prompt_token_ids=decoder_ids, max_new_tokens=n, ignore_eos=True,
-                                    encoder=EncoderRequest(token_ids=encoder_ids), cache=CacheControl(**cache))
-        async for chunk in engine.generate(request):
-            out += chunk.token_ids
-            last = chunk
-        await engine.wait_for_publishes()
-        return out, last.usage
-
-    return asyncio.run(run())
+    tokens, last = collect(engine, GenerationRequest(
+        prompt_token_ids=decoder_ids, max_new_tokens=n, ignore_eos=True,
+        encoder=EncoderRequest(token_ids=encoder_ids), cache=CacheControl(**cache)))
+    return tokens, last.usage
 
 
 @pytest.fixture()

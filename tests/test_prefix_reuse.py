@@ -11,7 +11,7 @@ from cachestore.keys import block_key
 from cachestore.memory import MemoryStore
 from cachestore.prefix import KVGeometry, PrefixStore
 from cachestore.stats import CacheStats
-from conftest import GENAI_FIXTURES, record_margin
+from conftest import GENAI_FIXTURES, collect, record_margin
 from services.engine import CacheControl, Engine, EngineOptions, GenerationRequest
 from services.model_spec import load_model_spec
 from services.modelbuild.presets import KVLayout
@@ -26,16 +26,8 @@ def make_engine(folder, store, block_size=B) -> Engine:
 
 
 def generate(engine: Engine, ids, n=12, **cache):
-    async def run():
-        out, last = [], None
-        request = GenerationRequest(prompt_token_ids=list(ids), max_new_tokens=n, ignore_eos=True, cache=CacheControl(**cache))
-        async for chunk in engine.generate(request):
-            out += chunk.token_ids
-            last = chunk
-        await engine.wait_for_publishes()
-        return out, last
-
-    return asyncio.run(run())
+    return collect(engine, GenerationRequest(prompt_token_ids=list(ids), max_new_tokens=n, ignore_eos=True,
+                                             cache=CacheControl(**cache)))
 
 
 def prompt(n, seed=0, vocab=512):

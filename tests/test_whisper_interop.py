@@ -2,7 +2,6 @@
 random weights, float audio features in) is served unchanged: kvshare's greedy tokens equal
 GenAI's for the same features, and a second replica hits its cross-attention cache."""
 
-import asyncio
 import json
 
 import grpc
@@ -11,7 +10,7 @@ import pytest
 
 from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
-from conftest import record_margin
+from conftest import collect, record_margin
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
@@ -53,17 +52,9 @@ def genai_greedy(array: np.ndarray) -> list[int]:
 
 
 def kvshare_greedy(engine: Engine, array: np.ndarray, **cache):
-    async def run():
-        out, last = [], None
-        request = GenerationRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True,
-                                    encoder=as_request(array), cache=CacheControl(**cache))
-        async for chunk in engine.generate(request):
-            out += chunk.token_ids
-            last = chunk
-        await engine.wait_for_publishes()
-        return out, last.usage
-
-    return asyncio.run(run())
+    tokens, last = collect(engine, GenerationRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                                     encoder=as_request(array), cache=CacheControl(**cache)))
+    return tokens, last.usage
 
 
 @pytest.fixture()

@@ -43,6 +43,31 @@ def _attend(g: GraphWriter, q: str, k: str, v: str, name: str, scale: float, mas
     return g.node("Reshape", [out, "merge_shape"], f"{name}_merged")
 
 
+def _project_heads(g: GraphWriter, x: str, weight: str, name: str, width: int, std: float) -> str:
+    """``x @ weight`` split into heads: ``[b, heads, s, head]``."""
+    return _heads(g, g.node("MatMul", [x, g.weight(weight, (width, width), std)], name), name)
+
+
+def _add_projected(g: GraphWriter, x: str, attn: str, weight: str, name: str, width: int, std: float) -> str:
+    """The residual stream ``x`` plus ``attn @ weight`` (an attention block's output projection)."""
+    return g.node("Add", [x, g.node("MatMul", [attn, g.weight(weight, (width, width), std)], f"{name}_o")], f"{name}_residual")
+
+
+def _embed(g: GraphWriter, prefix: str, shape: EncoderDecoderShape, positions_count: int, pos_ids: str) -> str:
+    """Token embeddings of ``input_ids`` plus learned position embeddings at ``pos_ids``."""
+    h = shape.hidden_size
+    embed = g.weight(f"{prefix}.embed_tokens.weight", (shape.vocab_size, h), 1.0)
+    positions = g.weight(f"{prefix}.embed_positions.weight", (positions_count, h), 0.5)
+    return g.node("Add", [g.node("Gather", [embed, "input_ids"], f"{prefix}_tok", axis=0),
+                          g.node("Gather", [positions, pos_ids], f"{prefix}_pos", axis=0)], f"{prefix}_embeddings")
+
+
+def _mlp_block(g: GraphWriter, x: str, prefix: str, shape: EncoderDecoderShape) -> str:
+    normed = g.rms_norm(x, f"{prefix}.post_attention_layernorm", shape.hidden_size, shape.rms_eps)
+    mlp = g.swiglu(normed, f"{prefix}.mlp", shape.hidden_size, shape.intermediate_size, shape.init_std)
+    return g.node("Add", [x, mlp], f"{prefix}.mlp_residual")
+
+
 def _common_consts(g: GraphWriter, shape: EncoderDecoderShape) -> None:
     g.const("heads_shape", np.array([0, 0, shape.num_heads, shape.head_size], np.int64))
     g.const("merge_shape", np.array([0, 0, shape.hidden_size], np.int64))
@@ -53,21 +78,15 @@ def _common_consts(g: GraphWriter, shape: EncoderDecoderShape) -> None:
 def build_encoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.ModelProto:
     h, std, scale = shape.hidden_size, shape.init_std, shape.head_size ** -0.5
     _common_consts(g, shape)
-    embed = g.weight("encoder.embed_tokens.weight", (shape.vocab_size, h), 1.0)
-    positions = g.weight("encoder.embed_positions.weight", (shape.encoder_context_length, h), 0.5)
     length = g.node("Gather", [g.node("Shape", ["input_ids"], "enc_ids_shape"), "one_i64"], "enc_len", axis=0)
     pos_ids = g.node("Range", ["zero_i64", length, "one_i64"], "enc_pos_ids")
-    x = g.node("Add", [g.node("Gather", [embed, "input_ids"], "enc_tok", axis=0),
-                       g.node("Gather", [positions, pos_ids], "enc_pos", axis=0)], "enc_embeddings")
+    x = _embed(g, "encoder", shape, shape.encoder_context_length, pos_ids)
     for layer in range(shape.encoder_layers):
         p = f"encoder.layers.{layer}"
         normed = g.rms_norm(x, f"{p}.input_layernorm", h, shape.rms_eps)
-        q, k, v = (_heads(g, g.node("MatMul", [normed, g.weight(f"{p}.attn.{t}_proj.weight", (h, h), std)], f"{p}.{t}"), f"{p}.{t}")
-                   for t in "qkv")
+        q, k, v = (_project_heads(g, normed, f"{p}.attn.{t}_proj.weight", f"{p}.{t}", h, std) for t in "qkv")
         attn = _attend(g, q, k, v, f"{p}.attn", scale)
-        x = g.node("Add", [x, g.node("MatMul", [attn, g.weight(f"{p}.attn.o_proj.weight", (h, h), std)], f"{p}.o")], f"{p}.attn_residual")
-        normed = g.rms_norm(x, f"{p}.post_attention_layernorm", h, shape.rms_eps)
-        x = g.node("Add", [x, g.swiglu(normed, f"{p}.mlp", h, shape.intermediate_size, std)], f"{p}.mlp_residual")
+        x = _mlp_block(g, _add_projected(g, x, attn, f"{p}.attn.o_proj.weight", f"{p}.attn", h, std), p, shape)
     hidden = g.rms_norm(x, "encoder.norm", h, shape.rms_eps)
     cross_dims = ["batch_size", shape.num_heads, "encoder_sequence_length", shape.head_size]
     outputs = []
@@ -110,27 +129,19 @@ def build_decoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.Mode
     mask = g.node("Where", [visible, g.const("mask_open", np.array(0.0, np.float32)),
                             g.const("mask_closed", np.array(-1e9, np.float32))], "causal_mask")
 
-    embed = g.weight("decoder.embed_tokens.weight", (shape.vocab_size, h), 1.0)
-    positions = g.weight("decoder.embed_positions.weight", (shape.context_length, h), 0.5)
-    x = g.node("Add", [g.node("Gather", [embed, "input_ids"], "dec_tok", axis=0),
-                       g.node("Gather", [positions, pos_ids], "dec_pos", axis=0)], "dec_embeddings")
+    x = _embed(g, "decoder", shape, shape.context_length, pos_ids)
     for layer in range(shape.decoder_layers):
         p = f"decoder.layers.{layer}"
         normed = g.rms_norm(x, f"{p}.input_layernorm", h, shape.rms_eps)
-        q, k, v = (_heads(g, g.node("MatMul", [normed, g.weight(f"{p}.self_attn.{t}_proj.weight", (h, h), std)], f"{p}.{t}"), f"{p}.{t}")
-                   for t in "qkv")
+        q, k, v = (_project_heads(g, normed, f"{p}.self_attn.{t}_proj.weight", f"{p}.{t}", h, std) for t in "qkv")
         present_k = g.node("Concat", [PAST_SELF_KEY % layer, k], PRESENT_SELF_KEY % layer, axis=2)
         present_v = g.node("Concat", [PAST_SELF_VALUE % layer, v], PRESENT_SELF_VALUE % layer, axis=2)
         attn = _attend(g, q, present_k, present_v, f"{p}.self_attn", scale, mask)
-        x = g.node("Add", [x, g.node("MatMul", [attn, g.weight(f"{p}.self_attn.o_proj.weight", (h, h), std)], f"{p}.self_o")],
-                   f"{p}.self_residual")
+        x = _add_projected(g, x, attn, f"{p}.self_attn.o_proj.weight", f"{p}.self_attn", h, std)
         normed = g.rms_norm(x, f"{p}.cross_layernorm", h, shape.rms_eps)
-        cq = _heads(g, g.node("MatMul", [normed, g.weight(f"{p}.cross_attn.q_proj.weight", (h, h), std)], f"{p}.cq"), f"{p}.cq")
+        cq = _project_heads(g, normed, f"{p}.cross_attn.q_proj.weight", f"{p}.cq", h, std)
         cross = _attend(g, cq, PAST_CROSS_KEY % layer, PAST_CROSS_VALUE % layer, f"{p}.cross_attn", scale)
-        x = g.node("Add", [x, g.node("MatMul", [cross, g.weight(f"{p}.cross_attn.o_proj.weight", (h, h), std)], f"{p}.cross_o")],
-                   f"{p}.cross_residual")
-        normed = g.rms_norm(x, f"{p}.post_attention_layernorm", h, shape.rms_eps)
-        x = g.node("Add", [x, g.swiglu(normed, f"{p}.mlp", h, shape.intermediate_size, std)], f"{p}.mlp_residual")
+        x = _mlp_block(g, _add_projected(g, x, cross, f"{p}.cross_attn.o_proj.weight", f"{p}.cross_attn", h, std), p, shape)
     normed = g.rms_norm(x, "decoder.norm", h, shape.rms_eps)
     # RMSNorm output has unit scale, so a head with std logit_std/sqrt(h) gives logits of std logit_std.
     g.node("MatMul", [normed, g.weight("lm_head.weight", (h, shape.vocab_size), shape.logit_std / np.sqrt(h))], "logits")
