@@ -46,11 +46,12 @@ class CrossStore:
         return kv
 
     def put(self, input_hash: BlockHash, kv: np.ndarray) -> bool:
-        """Stores the cross K/V set-if-absent, unless its value would exceed ``max_value_bytes``."""
-        value = encode(ValueKind.CROSS_KV, input_hash, kv)
-        if len(value) > self.max_value_bytes:
+        """Stores the cross K/V set-if-absent, unless its value would exceed ``max_value_bytes``
+        (checked before anything is encoded, so a too-large value costs nothing)."""
+        if kv.nbytes > self.max_value_bytes:
             self.stats.add(values_too_large=1)
             return False
+        value = encode(ValueKind.CROSS_KV, input_hash, kv)
         written = self.store.put(cross_key(input_hash), value)
         self.stats.add(bytes_sent=len(value))
         return written

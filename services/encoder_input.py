@@ -3,6 +3,7 @@ encoder takes (token ids ``[1, tokens]`` or float features of the model's shape)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,7 +60,8 @@ def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextToken
         dtype = _FEATURE_DTYPES.get(f.dtype)
         if dtype is None:
             raise InvalidRequest(f"{field}.dtype", f"{f.dtype!r} is not one of {sorted(_FEATURE_DTYPES)}")
-        if any(d <= 0 for d in f.shape) or len(f.data) != int(np.prod(f.shape, dtype=np.int64)) * dtype.itemsize:
+        # math.prod on Python ints: a huge shape cannot wrap around and pass the size check.
+        if any(d <= 0 for d in f.shape) or len(f.data) != math.prod(f.shape) * dtype.itemsize:
             raise InvalidRequest(f"{field}.data", f"{len(f.data)} bytes do not hold a {f.dtype} tensor of shape {list(f.shape)}")
         array = np.frombuffer(f.data, dtype=dtype).reshape(f.shape).astype(dtype.newbyteorder("="))
     else:

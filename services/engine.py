@@ -195,6 +195,8 @@ class Engine:
         encoder_input = encoder_array(request.encoder, self.spec, self.tokenizer, self.encoder)
         if encoder_input is not None and not request.prompt and not request.prompt_token_ids:
             # An encoder-decoder model's decoder starts from its start token when given no prompt.
+            if self.spec.decoder_start_token_id is None:
+                raise InvalidRequest("prompt", f"model {self.spec.name} names no decoder start token: give a decoder prompt")
             return PreparedRequest(self._checked([self.spec.decoder_start_token_id], request), encoder_input)
         return PreparedRequest(self._checked(self._prompt_ids(request), request), encoder_input)
 
@@ -248,10 +250,13 @@ class Engine:
         loop = asyncio.get_running_loop()
         s = self.spec
         return await loop.run_in_executor(self._store_executor, self.cross.get, input_hash, s.num_layers,
-                                          s.num_kv_heads, s.head_size, self.session.kv_dtype)
+                                          self.session.cross_heads, s.head_size, self.session.kv_dtype)
 
     def _publish_cross_later(self, input_hash: BlockHash, kv: np.ndarray) -> None:
         """Stores freshly computed cross K/V on the store threads, off the token path."""
+        if len(self._pending_publishes) >= self.options.max_pending_publishes:
+            self.cache_stats.add(publishes_dropped=1)
+            return
         self._track(asyncio.get_running_loop().run_in_executor(self._store_executor, self.cross.put, input_hash, kv))
 
     @staticmethod
@@ -311,7 +316,8 @@ class Engine:
         t_prefill = time.perf_counter()
         if prepared.encoder_input is not None:
             if cross_kv is None:
-                cross_kv = self.encoder.run(prepared.encoder_input)
+                # Stored in the decoder's K/V dtype, the dtype lookups expect.
+                cross_kv = self.encoder.run(prepared.encoder_input).astype(self.session.kv_dtype, copy=False)
                 on_encoded(cross_kv)
             cache.cross = self.session.cross_values(cross_kv)
         logits, cache = self.session.run(ids[cached:], cache, run_options)
@@ -402,9 +408,12 @@ class Engine:
 
         try:
             t_fetch = time.perf_counter()
-            cross_kv = None if input_hash is None else await self._cached_cross(input_hash, request.cache)
+            if input_hash is None:
+                cross_kv, lookup = None, await self._lookup(ids, namespace, request.cache)
+            else:
+                cross_kv, lookup = await asyncio.gather(self._cached_cross(input_hash, request.cache),
+                                                        self._lookup(ids, namespace, request.cache))
             usage.encoder_cache_hit = cross_kv is not None
-            lookup = await self._lookup(ids, namespace, request.cache)
             usage.cached_prompt_tokens = self.cached_tokens(lookup.hit_blocks, namespace.block_size, len(ids))
             timings.cache_fetch_ms = (time.perf_counter() - t_fetch) * 1e3
             loop.run_in_executor(self._executor, token_loop, lookup, cross_kv)

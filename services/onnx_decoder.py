@@ -120,15 +120,26 @@ class DecoderSession:
         self._pos_dtype = _ORT_TYPES[types[spec.position_ids_name]] if spec.position_ids_name in types else None
         self.kv_dtype = np.dtype(_ORT_TYPES[types[spec.kv.flat_past[0]]])
         self.shares_buffer = spec.past_present_share_buffer and spec.kv.layout is KVLayout.SEPARATE
+        self.cross_heads = self._cross_heads()
         logits = next(o for o in self._session.get_outputs() if o.name == spec.logits_name)
         self._logits_rank = len(logits.shape)
         self._logits_dtype = _ORT_TYPES[logits.type]
         log.info("model %s on %s (kv %s, layout %s, shared past/present buffer: %s)", spec.name,
                  self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer)
 
+    def _cross_heads(self) -> int:
+        """Heads of the cross-attention K/V inputs: from the graph where it fixes them (a decoder
+        may use fewer K/V heads for self-attention than for cross-attention), else the config's."""
+        if self.spec.encoder is None:
+            return 0
+        name = self.spec.encoder.cross_inputs[0][0]
+        dims = next(i.shape for i in self._session.get_inputs() if i.name == name)
+        return dims[1] if len(dims) == 4 and isinstance(dims[1], int) else self.spec.num_kv_heads
+
     def _check_names(self, input_types: dict[str, str]) -> None:
         outputs = {o.name for o in self._session.get_outputs()}
-        missing = [n for n in [self.spec.input_ids_name, *self.spec.kv.flat_past] if n not in input_types]
+        cross = [n for layer in self.spec.encoder.cross_inputs for n in layer] if self.spec.encoder else []
+        missing = [n for n in [self.spec.input_ids_name, *self.spec.kv.flat_past, *cross] if n not in input_types]
         missing += [n for n in [self.spec.logits_name, *self.spec.kv.flat_present] if n not in outputs]
         if missing:
             raise ModelLoadError(f"{self.spec.onnx_path}: genai_config.json names tensors the graph lacks: {missing}")

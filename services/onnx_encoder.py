@@ -25,6 +25,9 @@ class EncoderSession:
         self.input_shape: list[int | None] = [d if isinstance(d, int) else None for d in shape]
         """Fixed dimensions of the input; None where the model accepts any size."""
         self._outputs = [n for layer in self.spec.cross_outputs for n in layer]
+        missing = sorted(set(self._outputs) - {o.name for o in self._session.get_outputs()})
+        if missing:
+            raise ModelLoadError(f"{self.spec.onnx_path}: genai_config.json names outputs the encoder lacks: {missing}")
         self._lock = threading.Lock()
         self.runs = 0
 
@@ -34,6 +37,8 @@ class EncoderSession:
 
     def check_input(self, array: np.ndarray, field: str) -> None:
         """Raises InvalidRequest unless ``array`` fits the encoder's input (dtype, rank, fixed dims)."""
+        if array.ndim == 0 or array.shape[0] != 1:
+            raise InvalidRequest(field, f"one encoder input per request: the batch dimension must be 1, got shape {list(array.shape)}")
         if array.dtype != self.input_dtype:
             raise InvalidRequest(field, f"dtype {array.dtype} given, the encoder takes {self.input_dtype}")
         if array.ndim != len(self.input_shape) or any(

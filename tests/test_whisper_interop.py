@@ -103,3 +103,15 @@ def test_whisper_features_over_grpc(redis_url):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, encoder_prompt="text")))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "encoder_features" in info.value.details()
+        bad_tensors = {
+            "batch of two": pb.Tensor(shape=[2, 80, 3000], dtype="float32", data=b"\0" * (2 * 80 * 3000 * 4)),
+            "overflowing shape": pb.Tensor(shape=[2**62, 4], dtype="float32", data=b""),
+            "wrong dtype": pb.Tensor(shape=[1, 80, 3000], dtype="float16", data=b"\0" * (80 * 3000 * 2)),
+            "short data": pb.Tensor(shape=[1, 80, 3000], dtype="float32", data=b"\0" * 100),
+        }
+        for case, tensor in bad_tensors.items():
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, encoder_features=tensor)))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, case
+            assert "encoder_features" in info.value.details(), case
+        assert complete(stub, request, timeout_s=60).token_ids == done.token_ids, "still serving"
