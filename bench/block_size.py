@@ -13,7 +13,17 @@ import sys
 
 import numpy as np
 
-from bench.fleet import bench_model, cold, first_token, fleet, median, parse_args, print_table, warm, warm_up
+from bench.fleet import (
+    bench_model,
+    cold,
+    first_token,
+    fleet,
+    median,
+    parse_args,
+    print_table,
+    warm,
+    warm_up,
+)
 from services.redis_process import RedisServer
 
 QUESTION_TOKENS = 32

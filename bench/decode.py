@@ -18,7 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.fleet import INTRA_OP_THREADS, BenchModel, bench_model, fleet, median, parse_args, print_table
+from bench.fleet import (
+    INTRA_OP_THREADS,
+    BenchModel,
+    bench_model,
+    fleet,
+    median,
+    parse_args,
+    print_table,
+)
 from kvshare.v1 import generator_pb2 as pb
 from services.client import complete
 

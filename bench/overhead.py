@@ -11,7 +11,16 @@ import sys
 
 import numpy as np
 
-from bench.fleet import bench_model, cold, first_token, fleet, median, parse_args, print_table, warm_up
+from bench.fleet import (
+    bench_model,
+    cold,
+    first_token,
+    fleet,
+    median,
+    parse_args,
+    print_table,
+    warm_up,
+)
 
 
 def main() -> int:

@@ -15,7 +15,16 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.fleet import bench_model, cold, fleet, median, parse_args, print_table, warm, warm_up
+from bench.fleet import (
+    bench_model,
+    cold,
+    fleet,
+    median,
+    parse_args,
+    print_table,
+    warm,
+    warm_up,
+)
 
 QUESTION_TOKENS = 32
 DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "ttft.png"

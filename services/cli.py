@@ -37,7 +37,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _build_model(args: argparse.Namespace) -> int:
-    from services.modelbuild.folder import write_decoder_folder, write_encoder_decoder_folder
+    from services.modelbuild.folder import (
+        write_decoder_folder,
+        write_encoder_decoder_folder,
+    )
 
     if args.arch == "encoder-decoder":
         folder = write_encoder_decoder_folder(args.out_dir, args.preset, seed=args.seed)

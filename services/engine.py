@@ -10,15 +10,14 @@ ONNX session is shared by all streams.
 from __future__ import annotations
 
 import asyncio
-import math
 import logging
+import math
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
-from enum import Enum
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,83 +28,25 @@ from cachestore.keys import BlockHash, Namespace, encoder_input_hash
 from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
-from services.encoder_input import EncoderRequest, encoder_array
+from services.encoder_input import encoder_array
 from services.errors import InvalidRequest, RequestOutOfRange
+from services.generation import (
+    CacheControl,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    PreparedRequest,
+    Timings,
+    Usage,
+)
 from services.model_spec import ModelSpec, load_model_spec
 from services.onnx_decoder import DecoderSession, KVCache
 from services.onnx_encoder import EncoderSession
-from services.sampling import Sampler, SamplingConfig
+from services.sampling import Sampler
 from services.text_stream import TextStream
 from services.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
-
-
-class FinishReason(Enum):
-    LENGTH = "length"
-    STOP = "stop"
-    EOS = "eos"
-
-
-@dataclass(frozen=True, slots=True)
-class CacheControl:
-    """Per-request use of the shared prefix cache."""
-
-    skip_read: bool = False
-    skip_write: bool = False
-    salt: str = ""
-
-
-@dataclass(slots=True)
-class GenerationRequest:
-    """One request as the engine sees it. Exactly one of ``prompt`` / ``prompt_token_ids``."""
-
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    max_new_tokens: int = 16
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: list[str] = field(default_factory=list)
-    ignore_eos: bool = False
-    request_id: str = ""
-    encoder: EncoderRequest = field(default_factory=EncoderRequest)
-    cache: CacheControl = field(default_factory=CacheControl)
-
-
-@dataclass(slots=True)
-class PreparedRequest:
-    """A validated request: decoder prompt ids and, for encoder-decoder models, the encoder input."""
-
-    ids: list[int]
-    encoder_input: np.ndarray | None
-
-
-@dataclass(slots=True)
-class Usage:
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    completion_tokens: int = 0
-    encoder_cache_hit: bool = False
-
-
-@dataclass(slots=True)
-class Timings:
-    """Milliseconds from the moment the engine received the request."""
-
-    time_to_first_token_ms: float = 0.0
-    prefill_ms: float = 0.0
-    cache_fetch_ms: float = 0.0
-    total_ms: float = 0.0
-
-
-@dataclass(slots=True)
-class GenerationChunk:
-    """New tokens and their text; the last chunk of a stream also carries finish, usage, timings."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: FinishReason | None = None
-    usage: Usage | None = None
-    timings: Timings | None = None
 
 
 @dataclass(slots=True)

@@ -16,9 +16,15 @@ import grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.engine import CacheControl, Engine, FinishReason, GenerationChunk, GenerationRequest
 from services.encoder_input import EncoderFeatures, EncoderRequest
+from services.engine import Engine
 from services.errors import InvalidRequest, RequestOutOfRange
+from services.generation import (
+    CacheControl,
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+)
 from services.sampling import SamplingConfig
 
 log = logging.getLogger(__name__)

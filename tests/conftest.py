@@ -10,10 +10,11 @@ import grpc
 import numpy as np
 import pytest
 
-from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from cachestore.memory import MemoryStore
 from cachestore.stats import CacheStats
-from services.engine import Engine, EngineOptions, GenerationRequest
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.engine import Engine, EngineOptions
+from services.generation import GenerationRequest
 from services.modelbuild.folder import write_decoder_folder
 from services.modelbuild.presets import KVLayout
 from services.worker_process import WorkerProcess

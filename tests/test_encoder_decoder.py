@@ -18,8 +18,9 @@ from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
 from services.encoder_input import EncoderFeatures, EncoderRequest
-from services.engine import CacheControl, Engine, EngineOptions, GenerationRequest
+from services.engine import Engine, EngineOptions
 from services.errors import InvalidRequest
+from services.generation import CacheControl, GenerationRequest
 from services.worker_process import WorkerProcess
 
 B = 16

@@ -12,7 +12,8 @@ from cachestore.memory import MemoryStore
 from cachestore.prefix import KVGeometry, PrefixStore
 from cachestore.stats import CacheStats
 from conftest import GENAI_FIXTURES, collect, record_margin
-from services.engine import CacheControl, Engine, EngineOptions, GenerationRequest
+from services.engine import Engine, EngineOptions
+from services.generation import CacheControl, GenerationRequest
 from services.model_spec import load_model_spec
 from services.modelbuild.presets import KVLayout
 from services.onnx_decoder import DecoderSession

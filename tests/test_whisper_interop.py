@@ -10,16 +10,16 @@ import pytest
 
 from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
-from conftest import collect, record_margin
+from conftest import GENAI_FIXTURES, collect, record_margin
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
 from services.encoder_input import EncoderFeatures, EncoderRequest
-from services.engine import CacheControl, Engine, EngineOptions, GenerationRequest
+from services.engine import Engine, EngineOptions
+from services.generation import CacheControl, GenerationRequest
 from services.worker_process import WorkerProcess
 
 og = pytest.importorskip("onnxruntime_genai")
-from conftest import GENAI_FIXTURES  # noqa: E402
 
 FIXTURE = GENAI_FIXTURES.parent / "genai_whisper"
 FOLDER = FIXTURE / "whisper-fp32"

@@ -9,7 +9,11 @@ import json
 from pathlib import Path
 
 from services.modelbuild import encdec_graph
-from services.modelbuild.decoder_graph import build_decoder_graph, past_names, present_names
+from services.modelbuild.decoder_graph import (
+    build_decoder_graph,
+    past_names,
+    present_names,
+)
 from services.modelbuild.presets import (
     DECODER_PRESETS,
     ENCODER_DECODER_PRESETS,

@@ -1,0 +1,78 @@
+"""What a generation request and its results look like to the engine (no gRPC types here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from services.encoder_input import EncoderRequest
+from services.sampling import SamplingConfig
+
+
+class FinishReason(Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    EOS = "eos"
+
+
+@dataclass(frozen=True, slots=True)
+class CacheControl:
+    """Per-request use of the shared prefix cache."""
+
+    skip_read: bool = False
+    skip_write: bool = False
+    salt: str = ""
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """One request as the engine sees it. Exactly one of ``prompt`` / ``prompt_token_ids``."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_new_tokens: int = 16
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    request_id: str = ""
+    encoder: EncoderRequest = field(default_factory=EncoderRequest)
+    cache: CacheControl = field(default_factory=CacheControl)
+
+
+@dataclass(slots=True)
+class PreparedRequest:
+    """A validated request: decoder prompt ids and, for encoder-decoder models, the encoder input."""
+
+    ids: list[int]
+    encoder_input: np.ndarray | None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    encoder_cache_hit: bool = False
+
+
+@dataclass(slots=True)
+class Timings:
+    """Milliseconds from the moment the engine received the request."""
+
+    time_to_first_token_ms: float = 0.0
+    prefill_ms: float = 0.0
+    cache_fetch_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass(slots=True)
+class GenerationChunk:
+    """New tokens and their text; the last chunk of a stream also carries finish, usage, timings."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    timings: Timings | None = None
