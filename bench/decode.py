@@ -3,7 +3,8 @@ folder: same prompt, greedy, one stream, both on 2 intra-op threads, runs interl
 both produced the same tokens.
 
 kvshare's rate comes from the worker's own timings, (completion_tokens - 1) / (total - TTFT); GenAI's
-from timing its generate_next_token loop after the first token, in this process.
+from timing its generate_next_token loop after the first token, in this process. A third row times
+kvshare's ONNX step loop in this process too, which separates the engine from the server path.
 
     .venv/bin/python -m bench.decode [--smoke]
 """
@@ -29,6 +30,8 @@ from bench.fleet import (
 )
 from kvshare.v1 import generator_pb2 as pb
 from services.client import complete
+from services.model_spec import load_model_spec
+from services.onnx_decoder import DecoderSession
 
 
 def genai_folder(model: BenchModel) -> Path:
@@ -68,6 +71,17 @@ def kvshare_run(stub, prompt: list[int], new_tokens: int) -> tuple[float, list[i
     return (done.last.usage.completion_tokens - 1) / ((t.total_ms - t.time_to_first_token_ms) / 1e3), done.token_ids
 
 
+def session_run(session: DecoderSession, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    """kvshare's ONNX step loop alone (no server, no gRPC): separates the engine from the transport."""
+    logits, cache = session.run(prompt, session.empty_cache(len(prompt) + new_tokens))
+    tokens = [int(np.argmax(logits))]
+    t0 = time.perf_counter()
+    while len(tokens) < new_tokens:
+        logits, cache = session.run([tokens[-1]], cache)
+        tokens.append(int(np.argmax(logits)))
+    return (len(tokens) - 1) / (time.perf_counter() - t0), tokens
+
+
 def main() -> int:
     import onnxruntime_genai as og
 
@@ -76,19 +90,25 @@ def main() -> int:
     prompt_tokens, new_tokens, rounds = (64, 16, 2) if args.smoke else (1024, 128, 7)
     prompt = model.random_ids(np.random.default_rng(4), prompt_tokens)
     og_model = og.Model(str(genai_folder(model)))
-    ours, theirs = [], []
+    session = DecoderSession(load_model_spec(model.folder), "auto", INTRA_OP_THREADS)
+    rates: dict[str, list[float]] = {"kvshare worker (gRPC stream)": [], "kvshare step loop (in-process)": [],
+                                     "onnxruntime-genai": []}
     with fleet(model, replicas=1) as f:
         (stub,) = f.stubs
         kvshare_run(stub, prompt, 4)
         for _ in range(rounds):
-            rate, our_tokens = kvshare_run(stub, prompt, new_tokens)
-            ours.append(rate)
-            rate, their_tokens = genai_run(og_model, prompt, new_tokens)
-            theirs.append(rate)
-    same = our_tokens == their_tokens
-    rows = [(prompt_tokens, new_tokens, median(ours), median(theirs), median(ours) / median(theirs), "yes" if same else "NO")]
+            rate, served = kvshare_run(stub, prompt, new_tokens)
+            rates["kvshare worker (gRPC stream)"].append(rate)
+            rate, looped = session_run(session, prompt, new_tokens)
+            rates["kvshare step loop (in-process)"].append(rate)
+            rate, reference = genai_run(og_model, prompt, new_tokens)
+            rates["onnxruntime-genai"].append(rate)
+    same = served == looped == reference
+    genai = median(rates["onnxruntime-genai"])
+    rows = [(name, prompt_tokens, new_tokens, median(r), median(r) / genai, "yes" if same else "NO")
+            for name, r in rates.items()]
     print_table(f"{model.preset} model, greedy, one stream, {INTRA_OP_THREADS} intra-op threads; medians of {rounds} interleaved rounds",
-                ("prompt tokens", "new tokens", "kvshare tok/s", "GenAI tok/s", "kvshare/GenAI", "same tokens"), rows)
+                ("decoder", "prompt tokens", "new tokens", "tok/s", "× GenAI", "same tokens"), rows)
     return 0 if same else 1
 
 
