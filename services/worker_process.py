@@ -74,9 +74,6 @@ class WorkerProcess:
                     raise RuntimeError("kvshare serve never became healthy:\n" + "\n".join(self.log_lines[-40:]))
                 time.sleep(0.05)
 
-    def alive(self) -> bool:
-        return self._process.poll() is None
-
     def stop(self, timeout_s: float = 15.0) -> int:
         """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""
         if self._process.poll() is None:
