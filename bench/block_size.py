@@ -14,6 +14,7 @@ import sys
 import numpy as np
 
 from bench.fleet import (
+    QUESTION_TOKENS,
     bench_model,
     cold,
     first_token,
@@ -25,8 +26,6 @@ from bench.fleet import (
     warm_up,
 )
 from services.redis_process import RedisServer
-
-QUESTION_TOKENS = 32
 
 
 def main() -> int:

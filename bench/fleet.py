@@ -31,6 +31,7 @@ from services.worker_process import WorkerProcess
 MODELS_DIR = Path(tempfile.gettempdir()) / "kvshare-bench"
 FIRST_TOKEN_ID = 3  # ids below are the tokenizer's special tokens
 INTRA_OP_THREADS = 2
+QUESTION_TOKENS = 32  # the part of a prompt that differs between requests sharing a prefix
 CALL_TIMEOUT_S = 300.0
 PUBLISH_TIMEOUT_S = 30.0
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.fleet import (
+    QUESTION_TOKENS,
     bench_model,
     cold,
     fleet,
@@ -26,7 +27,6 @@ from bench.fleet import (
     warm_up,
 )
 
-QUESTION_TOKENS = 32
 DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "ttft.png"
 
 

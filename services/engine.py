@@ -195,10 +195,7 @@ class Engine:
 
     def _publish_cross_later(self, input_hash: BlockHash, kv: np.ndarray) -> None:
         """Stores freshly computed cross K/V on the store threads, off the token path."""
-        if len(self._pending_publishes) >= self.options.max_pending_publishes:
-            self.cache_stats.add(publishes_dropped=1)
-            return
-        self._track(asyncio.get_running_loop().run_in_executor(self._store_executor, self.cross.put, input_hash, kv))
+        self._in_background(lambda: self.cross.put(input_hash, kv))
 
     @staticmethod
     def cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
@@ -211,17 +208,20 @@ class Engine:
         """Publishes blocks ``first_block ..`` of the prompt (those the store lacked) on the store
         threads, off the token path. Reading ``prefill`` while decode continues is safe: decode
         only writes positions after the prompt."""
-        if len(self._pending_publishes) >= self.options.max_pending_publishes:
-            self.cache_stats.add(publishes_dropped=1)
-            return
 
         def publish() -> int:
             kv = self.session.to_canonical(prefill, len(hashes) * block_size)
             return self.prefix.publish(hashes, kv, first_block, block_size)
 
-        self._track(asyncio.get_running_loop().run_in_executor(self._store_executor, publish))
+        self._in_background(publish)
 
-    def _track(self, future: asyncio.Future) -> None:
+    def _in_background(self, publish: Callable[[], object]) -> None:
+        """Runs ``publish`` on the store threads; beyond ``max_pending_publishes`` waiting ones it is
+        dropped (counted) instead, so a slow store cannot make publishes pile up in memory."""
+        if len(self._pending_publishes) >= self.options.max_pending_publishes:
+            self.cache_stats.add(publishes_dropped=1)
+            return
+        future = asyncio.get_running_loop().run_in_executor(self._store_executor, publish)
         self._pending_publishes.add(future)
         future.add_done_callback(self._pending_publishes.discard)
         self.stats.publishes += 1

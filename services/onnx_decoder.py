@@ -112,13 +112,12 @@ class DecoderSession:
         self._session = open_session(spec.onnx_path, execution_provider, intra_op_threads)
         self.execution_provider = self._session.get_providers()[0]
         self._device = device_of(self._session)
-        types = {i.name: i.type for i in self._session.get_inputs()}
-        self._check_names(types)
-        input_dtypes(self._session, spec.onnx_path)
-        self._ids_dtype = _ORT_TYPES[types[spec.input_ids_name]]
-        self._mask_dtype = _ORT_TYPES[types[spec.attention_mask_name]] if spec.attention_mask_name in types else None
-        self._pos_dtype = _ORT_TYPES[types[spec.position_ids_name]] if spec.position_ids_name in types else None
-        self.kv_dtype = np.dtype(_ORT_TYPES[types[spec.kv.flat_past[0]]])
+        dtypes = input_dtypes(self._session, spec.onnx_path)
+        self._check_names(dtypes)
+        self._ids_dtype = dtypes[spec.input_ids_name]
+        self._mask_dtype = dtypes.get(spec.attention_mask_name)
+        self._pos_dtype = dtypes.get(spec.position_ids_name)
+        self.kv_dtype = dtypes[spec.kv.flat_past[0]]
         self.shares_buffer = spec.past_present_share_buffer and spec.kv.layout is KVLayout.SEPARATE
         self.cross_heads = self._cross_heads()
         logits = next(o for o in self._session.get_outputs() if o.name == spec.logits_name)
@@ -136,10 +135,10 @@ class DecoderSession:
         dims = next(i.shape for i in self._session.get_inputs() if i.name == name)
         return dims[1] if len(dims) == 4 and isinstance(dims[1], int) else self.spec.num_kv_heads
 
-    def _check_names(self, input_types: dict[str, str]) -> None:
+    def _check_names(self, inputs: dict[str, np.dtype]) -> None:
         outputs = {o.name for o in self._session.get_outputs()}
         cross = [n for layer in self.spec.encoder.cross_inputs for n in layer] if self.spec.encoder else []
-        missing = [n for n in [self.spec.input_ids_name, *self.spec.kv.flat_past, *cross] if n not in input_types]
+        missing = [n for n in [self.spec.input_ids_name, *self.spec.kv.flat_past, *cross] if n not in inputs]
         missing += [n for n in [self.spec.logits_name, *self.spec.kv.flat_present] if n not in outputs]
         if missing:
             raise ModelLoadError(f"{self.spec.onnx_path}: genai_config.json names tensors the graph lacks: {missing}")
