@@ -25,7 +25,7 @@ from bench.fleet import (
     warm,
     warm_up,
 )
-from services.redis_process import RedisServer
+from services.local.redis_process import RedisServer
 
 
 def main() -> int:

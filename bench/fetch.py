@@ -23,8 +23,8 @@ from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import block_key
 from cachestore.prefix import KVGeometry, PrefixStore
 from cachestore.stats import CacheStats
-from services.engine import Engine, EngineOptions
-from services.redis_process import RedisServer
+from services.engine.engine import Engine, EngineOptions
+from services.local.redis_process import RedisServer
 
 
 def timed(fn) -> tuple[float, object]:

@@ -22,11 +22,11 @@ import redis
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.client import complete
-from services.demo import ensure_model
+from services.api.client import complete
+from services.local.demo import ensure_model
+from services.local.redis_process import RedisServer
+from services.local.worker_process import WorkerProcess
 from services.modelbuild.presets import DECODER_PRESETS
-from services.redis_process import RedisServer
-from services.worker_process import WorkerProcess
 
 MODELS_DIR = Path(tempfile.gettempdir()) / "kvshare-bench"
 FIRST_TOKEN_ID = 3  # ids below are the tokenizer's special tokens

@@ -13,11 +13,11 @@ import pytest
 from cachestore.memory import MemoryStore
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.engine import Engine, EngineOptions
-from services.generation import GenerationRequest
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import GenerationRequest
+from services.local.worker_process import WorkerProcess
 from services.modelbuild.folder import write_decoder_folder
-from services.modelbuild.presets import KVLayout
-from services.worker_process import WorkerProcess
+from services.runtime.kv_layout import KVLayout
 
 GENAI_FIXTURES = Path(__file__).parent / "fixtures" / "genai_builder"
 _margins: dict[str, float] = {}
@@ -108,7 +108,7 @@ def load_engine():
 @pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on a free loopback port for the whole session (flushed per test)."""
-    from services.redis_process import RedisServer
+    from services.local.redis_process import RedisServer
 
     with RedisServer() as server:
         yield server

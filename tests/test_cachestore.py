@@ -163,7 +163,7 @@ def test_a_store_refusing_writes_still_serves_reads():
 
 
 def test_unix_socket_and_tiered_urls(tmp_path):
-    from services.redis_process import RedisServer
+    from services.local.redis_process import RedisServer
 
     socket_path = tmp_path / "redis.sock"
     with RedisServer(extra_args=("--unixsocket", str(socket_path), "--unixsocketperm", "700")) as server:

@@ -5,13 +5,13 @@ import contextlib
 
 import grpc
 import pytest
-
 from conftest import wait_until
+
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.client import complete
-from services.redis_process import RedisClusterServers
-from services.worker_process import WorkerProcess
+from services.api.client import complete
+from services.local.redis_process import RedisClusterServers
+from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess
 B = 64

@@ -32,7 +32,7 @@ import dockerfile
 import pytest
 import yaml
 
-from services.config import ENV_PREFIX, Settings
+from services.api.config import ENV_PREFIX, Settings
 
 pytestmark = pytest.mark.deploy
 
@@ -410,7 +410,7 @@ def test_checksum_annotation_follows_the_config(helm, rendered):
 
 
 def test_configmap_round_trips_through_the_worker_settings(helm):
-    """The ConfigMap plus the pod's env, read by services/config.py as `kvshare serve` would."""
+    """The ConfigMap plus the pod's env, read by services/api/config.py as `kvshare serve` would."""
     values = {"config": {"cache_memory_bytes": 536870912, "cache_op_timeout_ms": 250.5, "drain_s": 25,
                          "breaker_failures": 5, "execution_provider": "cpu"}}
     docs = helm.render(values)

@@ -2,11 +2,12 @@
 
 import numpy as np
 import pytest
-
 from conftest import record_margin
-from services.model_spec import load_model_spec
-from services.modelbuild.presets import DECODER_PRESETS, KVLayout
-from services.onnx_decoder import DecoderSession
+
+from services.modelbuild.presets import DECODER_PRESETS
+from services.runtime.kv_layout import KVLayout
+from services.runtime.model_spec import load_model_spec
+from services.runtime.onnx_decoder import DecoderSession
 
 STEPS = 32
 TOLERANCE = 1e-4  # fp32 logits

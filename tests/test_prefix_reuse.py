@@ -5,18 +5,18 @@ import time
 
 import numpy as np
 import pytest
+from conftest import GENAI_FIXTURES, collect, record_margin
 
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import block_key
 from cachestore.memory import MemoryStore
 from cachestore.prefix import KVGeometry, PrefixStore
 from cachestore.stats import CacheStats
-from conftest import GENAI_FIXTURES, collect, record_margin
-from services.engine import Engine, EngineOptions
-from services.generation import CacheControl, GenerationRequest
-from services.model_spec import load_model_spec
-from services.modelbuild.presets import KVLayout
-from services.onnx_decoder import DecoderSession
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import CacheControl, GenerationRequest
+from services.runtime.kv_layout import KVLayout
+from services.runtime.model_spec import load_model_spec
+from services.runtime.onnx_decoder import DecoderSession
 
 B = 16
 TOLERANCE = 1e-4

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from services.sampling import Sampler, SamplingConfig
+from services.engine.sampling import Sampler, SamplingConfig
 
 LOGITS = np.random.default_rng(0).standard_normal(256).astype(np.float32) * 3
 

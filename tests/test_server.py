@@ -18,9 +18,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.client import complete
-from services.modelbuild.presets import KVLayout
-from services.worker_process import WorkerProcess
+from services.api.client import complete
+from services.local.worker_process import WorkerProcess
+from services.runtime.kv_layout import KVLayout
 
 pytestmark = pytest.mark.subprocess
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,7 +212,7 @@ def test_sigterm_reports_not_serving_then_drains(model_dirs):
 
 def test_generate_cli_streams_text_and_reports_usage(worker):
     proc = subprocess.run(
-        [sys.executable, "-m", "services.cli", "generate", "--target", worker.target, "--max-new-tokens", "8", PROMPT],
+        [sys.executable, "-m", "services.api.cli", "generate", "--target", worker.target, "--max-new-tokens", "8", PROMPT],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
@@ -220,10 +220,10 @@ def test_generate_cli_streams_text_and_reports_usage(worker):
 
 
 def test_serve_refuses_a_folder_without_a_model(tmp_path, tiny_model):
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path), "--port", "0"],
+    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tmp_path), "--port", "0"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "genai_config.json" in proc.stderr
     (tmp_path / "genai_config.json").write_bytes((tiny_model / "genai_config.json").read_bytes())
-    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path), "--port", "0"],
+    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tmp_path), "--port", "0"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "model.onnx: not found" in proc.stderr

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from services.text_stream import TextStream
-from services.tokenizer import TextTokenizer
+from services.engine.text_stream import TextStream
+from services.runtime.tokenizer import TextTokenizer
 
 TEXT = "Zürich → 日本語 🙂🚀 café naïve ∑∞ and plain words. " * 3
 

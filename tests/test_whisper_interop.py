@@ -7,17 +7,17 @@ import json
 import grpc
 import numpy as np
 import pytest
+from conftest import GENAI_FIXTURES, collect, record_margin
 
 from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
-from conftest import GENAI_FIXTURES, collect, record_margin
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.client import complete
-from services.encoder_input import EncoderFeatures, EncoderRequest
-from services.engine import Engine, EngineOptions
-from services.generation import CacheControl, GenerationRequest
-from services.worker_process import WorkerProcess
+from services.api.client import complete
+from services.engine.encoder_input import EncoderFeatures, EncoderRequest
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import CacheControl, GenerationRequest
+from services.local.worker_process import WorkerProcess
 
 og = pytest.importorskip("onnxruntime_genai")
 

@@ -16,7 +16,8 @@ import onnx
 from onnx import TensorProto, helper
 
 from services.modelbuild.graph_writer import MS_DOMAIN, GraphWriter
-from services.modelbuild.presets import DecoderShape, KVLayout
+from services.modelbuild.presets import DecoderShape
+from services.runtime.kv_layout import KVLayout
 
 
 def past_names(layout: KVLayout, layer: int) -> list[str]:

@@ -19,9 +19,9 @@ from services.modelbuild.presets import (
     ENCODER_DECODER_PRESETS,
     DecoderShape,
     EncoderDecoderShape,
-    KVLayout,
 )
 from services.modelbuild.tokenizer_build import build_tokenizer
+from services.runtime.kv_layout import KVLayout
 
 MODEL_FILE = "model.onnx"
 ENCODER_FILE, DECODER_FILE = "encoder.onnx", "decoder.onnx"

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 
 from services.errors import InvalidRequest, ModelLoadError
-from services.model_spec import ModelSpec
-from services.onnx_decoder import input_dtypes, open_session
+from services.runtime.model_spec import ModelSpec
+from services.runtime.onnx_decoder import input_dtypes, open_session
 
 
 class EncoderSession:

@@ -28,9 +28,8 @@ from cachestore.keys import BlockHash, Namespace, encoder_input_hash
 from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
-from services.encoder_input import encoder_array
-from services.errors import InvalidRequest, RequestOutOfRange
-from services.generation import (
+from services.engine.encoder_input import encoder_array
+from services.engine.generation import (
     CacheControl,
     FinishReason,
     GenerationChunk,
@@ -39,12 +38,13 @@ from services.generation import (
     Timings,
     Usage,
 )
-from services.model_spec import ModelSpec, load_model_spec
-from services.onnx_decoder import DecoderSession, KVCache
-from services.onnx_encoder import EncoderSession
-from services.sampling import Sampler
-from services.text_stream import TextStream
-from services.tokenizer import TextTokenizer
+from services.engine.sampling import Sampler
+from services.engine.text_stream import TextStream
+from services.errors import InvalidRequest, RequestOutOfRange
+from services.runtime.model_spec import ModelSpec, load_model_spec
+from services.runtime.onnx_decoder import DecoderSession, KVCache
+from services.runtime.onnx_encoder import EncoderSession
+from services.runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 

@@ -7,8 +7,8 @@ from enum import Enum
 
 import numpy as np
 
-from services.encoder_input import EncoderRequest
-from services.sampling import SamplingConfig
+from services.engine.encoder_input import EncoderRequest
+from services.engine.sampling import SamplingConfig
 
 
 class FinishReason(Enum):

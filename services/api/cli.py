@@ -8,13 +8,14 @@ import logging
 import sys
 from pathlib import Path
 
-from services.config import add_settings_flags, settings_from
-from services.modelbuild.presets import DECODER_PRESETS, KVLayout
+from services.api.config import add_settings_flags, settings_from
+from services.modelbuild.presets import DECODER_PRESETS
+from services.runtime.kv_layout import KVLayout
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from services.api.server import serve
     from services.errors import ModelLoadError
-    from services.server import serve
 
     settings = settings_from(args)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stdout,
@@ -31,7 +32,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.client import generate_main
+    from services.api.client import generate_main
 
     return generate_main(args.target, args.prompt, args.max_new_tokens, args.temperature, args.timeout_s)
 
@@ -51,7 +52,7 @@ def _build_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from services.demo import run_demo
+    from services.local.demo import run_demo
 
     return run_demo(args.model, args.max_new_tokens)
 

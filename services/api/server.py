@@ -14,9 +14,9 @@ from cachestore.breaker import BreakerPolicy
 from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.config import Settings
-from services.engine import Engine, EngineOptions
-from services.servicer import SERVICE_NAME, GeneratorServicer
+from services.api.config import Settings
+from services.api.servicer import SERVICE_NAME, GeneratorServicer
+from services.engine.engine import Engine, EngineOptions
 
 log = logging.getLogger(__name__)
 

@@ -13,11 +13,11 @@ import grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.client import complete
+from services.api.client import complete
+from services.local.redis_process import RedisServer
+from services.local.worker_process import WorkerProcess
 from services.modelbuild.folder import write_decoder_folder
-from services.modelbuild.presets import KVLayout
-from services.redis_process import RedisServer
-from services.worker_process import WorkerProcess
+from services.runtime.kv_layout import KVLayout
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a company that runs decode workers for language models. "

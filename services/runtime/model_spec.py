@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.errors import ModelLoadError
-from services.modelbuild.presets import KVLayout
+from services.runtime.kv_layout import KVLayout
 
 FINGERPRINT_VERSION = b"kvshare-model-fingerprint-v1"
 

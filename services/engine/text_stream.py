@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from services.tokenizer import TextTokenizer
+from services.runtime.tokenizer import TextTokenizer
 
 _REPLACEMENT = "\ufffd"
 

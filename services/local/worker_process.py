@@ -24,7 +24,7 @@ class WorkerProcess:
 
     def __init__(self, model: Path, *extra_args: str, env: dict[str, str] | None = None,
                  startup_timeout_s: float = 60.0, log_path: Path | None = None) -> None:
-        command = [sys.executable, "-m", "services.cli", "serve", "--model", str(model), "--port", "0", *extra_args]
+        command = [sys.executable, "-m", "services.api.cli", "serve", "--model", str(model), "--port", "0", *extra_args]
         self.log_lines: list[str] = []
         self._log_file = log_path.open("w") if log_path else None
         self._process = subprocess.Popen(

@@ -19,8 +19,8 @@ import numpy as np
 import onnxruntime as ort
 
 from services.errors import ModelLoadError
-from services.model_spec import ModelSpec
-from services.modelbuild.presets import KVLayout
+from services.runtime.kv_layout import KVLayout
+from services.runtime.model_spec import ModelSpec
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.errors import InvalidRequest, RequestOutOfRange
-from services.model_spec import ModelSpec
-from services.onnx_encoder import EncoderSession
-from services.tokenizer import TextTokenizer
+from services.runtime.model_spec import ModelSpec
+from services.runtime.onnx_encoder import EncoderSession
+from services.runtime.tokenizer import TextTokenizer
 
 _FEATURE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 

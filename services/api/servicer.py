@@ -16,16 +16,16 @@ import grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.encoder_input import EncoderFeatures, EncoderRequest
-from services.engine import Engine
-from services.errors import InvalidRequest, RequestOutOfRange
-from services.generation import (
+from services.engine.encoder_input import EncoderFeatures, EncoderRequest
+from services.engine.engine import Engine
+from services.engine.generation import (
     CacheControl,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
 )
-from services.sampling import SamplingConfig
+from services.engine.sampling import SamplingConfig
+from services.errors import InvalidRequest, RequestOutOfRange
 
 log = logging.getLogger(__name__)
 

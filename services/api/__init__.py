@@ -1,0 +1,1 @@
+"""The gRPC face: servicer, server, client, configuration and the `kvshare` command."""
