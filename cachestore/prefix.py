@@ -80,12 +80,15 @@ class PrefixStore:
         return PrefixLookup(hashes=hashes, blocks=run)
 
     def publish(self, hashes: Sequence[BlockHash], kv: np.ndarray, first_block: int, block_size: int) -> int:
-        """Writes blocks ``first_block ..`` of ``kv`` (canonical, at least ``len(hashes)`` blocks
-        of ``block_size`` tokens) under their hashes, set-if-absent; returns how many were new."""
+        """Writes blocks ``first_block .. len(hashes)`` under their hashes, set-if-absent; ``kv``
+        (canonical) holds exactly those blocks' tokens, from block ``first_block`` on. Returns how
+        many were new."""
         size = block_size
+        assert kv.shape[3] == (len(hashes) - first_block) * size, "kv must hold exactly the blocks to publish"
         items = []
         for i in range(first_block, len(hashes)):
-            block = kv[:, :, :, i * size : (i + 1) * size, :].astype(self.geometry.dtype, copy=False)
+            j = i - first_block
+            block = kv[:, :, :, j * size : (j + 1) * size, :].astype(self.geometry.dtype, copy=False)
             items.append((block_key(hashes[i]), encode(ValueKind.PREFIX_BLOCK, hashes[i], block)))
         written = self.store.put_many(items)
         self.stats.add(blocks_written=written, bytes_sent=sum(len(v) for _, v in items))

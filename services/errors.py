@@ -21,3 +21,8 @@ class InvalidRequest(KVShareError):
 
 class RequestOutOfRange(InvalidRequest):
     """A request asks for more than the model can hold (prompt + new tokens past the context)."""
+
+
+class Overloaded(KVShareError):
+    """The worker cannot take the request now (every slot busy and the queue full, or shutting
+    down); the message says what was full. Decided at once, before any work is done."""

@@ -38,7 +38,10 @@ def load_engine(settings: Settings) -> Engine:
     store = open_store(settings.cache_url, store_options(settings), stats)
     log.info("cache store: %s", store.name)
     options = EngineOptions(
-        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, run_threads=settings.run_threads,
+        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, max_batch=settings.max_batch,
+        kv_cache_bytes=settings.kv_cache_bytes, max_queued=settings.max_queued,
+        max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step, max_unread_tokens=settings.max_unread_tokens,
+        store_read_threads=settings.store_read_threads, store_write_threads=settings.store_write_threads,
         max_value_bytes=settings.cache_max_value_bytes,
     )
     return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads)

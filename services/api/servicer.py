@@ -1,8 +1,9 @@
 """The gRPC face of the engine: converts messages, maps domain errors to status codes, streams.
 
 It holds no generation logic. Status codes: InvalidRequest -> INVALID_ARGUMENT, RequestOutOfRange
--> OUT_OF_RANGE, anything unexpected -> INTERNAL (a bug, logged with its traceback). Oversized
-messages never get here: gRPC refuses them with RESOURCE_EXHAUSTED.
+-> OUT_OF_RANGE, Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, anything
+unexpected -> INTERNAL (a bug, logged with its traceback). Oversized messages never get here: gRPC
+refuses them with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from services.engine.generation import (
     GenerationRequest,
 )
 from services.engine.sampling import SamplingConfig
-from services.errors import InvalidRequest, RequestOutOfRange
+from services.errors import InvalidRequest, Overloaded, RequestOutOfRange
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,8 @@ def status_for(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.OUT_OF_RANGE
     if isinstance(exc, InvalidRequest):
         return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
 
 

@@ -1,10 +1,11 @@
-"""The generation engine: validates a request, reuses its cached prefix, prefills the rest and
-decodes token by token.
+"""The generation engine: validates a request, admits it to the scheduler, reuses its cached prefix,
+and streams the tokens the scheduler produces as text.
 
-The engine knows models, tokens and a store interface; it knows nothing of gRPC. Store lookups
-and publishes run on the store threads; each stream's token loop (assembling its past, prefill,
-every decode step) runs on one run thread, so the event loop only moves chunks to the client. The
-ONNX session is shared by all streams.
+The engine knows models, tokens and a store interface; it knows nothing of gRPC. The scheduler
+(one thread) runs every model step for all sequences of the worker; store lookups run on the read
+threads and publishes on the write threads, so a slow publish never delays a lookup and neither
+ever runs on the token path. The event loop only turns tokens into text and hands chunks to the
+client.
 """
 
 from __future__ import annotations
@@ -16,12 +17,11 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from cachestore.cross import CrossStore
 from cachestore.keys import BlockHash, Namespace, encoder_input_hash
@@ -30,20 +30,21 @@ from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from services.engine.encoder_input import encoder_array
 from services.engine.generation import (
-    CacheControl,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
     PreparedRequest,
-    Timings,
     Usage,
 )
 from services.engine.sampling import Sampler
+from services.engine.scheduler import Scheduler, SchedulerOptions
+from services.engine.sequence import Sequence
 from services.engine.text_stream import TextStream
 from services.errors import InvalidRequest, RequestOutOfRange
 from services.runtime.model_spec import ModelSpec, load_model_spec
-from services.runtime.onnx_decoder import DecoderSession, KVCache
+from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
+from services.runtime.slots import open_slots
 from services.runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -65,15 +66,34 @@ class EngineOptions:
     max_new_tokens_cap: int = 4096
     block_size: int = 64
     """Tokens per shared cache block."""
-    run_threads: int = 16
-    """Streams that can decode at once: each holds one run thread from prefill to its last token;
-    more wait for a free thread."""
-    store_threads: int = 4
-    """Concurrent store lookups and publishes."""
+    max_batch: int = 0
+    """Sequences holding K/V at once (the decode batch's most rows); 0 derives it from
+    ``kv_cache_bytes`` (see ``derived_max_batch``)."""
+    kv_cache_bytes: int = 2 << 30
+    """K/V memory budget of the slots when ``max_batch`` is 0 (bytes)."""
+    max_queued: int = 128
+    """Requests waiting for a slot; one more gets ``Overloaded`` at once."""
+    max_prefill_tokens_per_step: int = 256
+    """Prompt tokens prefilled between two decode steps (bounds the gap between tokens)."""
+    max_unread_tokens: int = 256
+    """A stream whose client has not read this many tokens pauses until it does."""
+    store_read_threads: int = 4
+    """Concurrent store lookups; never shared with publishes."""
+    store_write_threads: int = 2
+    """Concurrent publishes."""
     max_pending_publishes: int = 16
     """Publishes waiting for the store beyond this are dropped (counted), bounding memory."""
     max_value_bytes: int = 128 * 1024 * 1024
     """Cross-attention values larger than this are not stored (Redis caps a value at 512 MiB)."""
+
+
+MAX_DERIVED_BATCH = 64
+
+
+def derived_max_batch(kv_bytes_per_token: int, context_length: int, kv_cache_bytes: int) -> int:
+    """Slots that fit ``kv_cache_bytes`` when each may hold a whole context (at least 1, at most
+    ``MAX_DERIVED_BATCH``): a sequence admitted can always run to its end."""
+    return max(1, min(MAX_DERIVED_BATCH, kv_cache_bytes // (kv_bytes_per_token * context_length)))
 
 
 class Engine:
@@ -92,9 +112,21 @@ class Engine:
         self.prefix = PrefixStore(
             store, KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, session.kv_dtype), cache_stats
         )
-        self._executor = ThreadPoolExecutor(max_workers=options.run_threads, thread_name_prefix="onnx-run")
-        self._store_executor = ThreadPoolExecutor(max_workers=options.store_threads, thread_name_prefix="kv-store")
-        self._pending_publishes: set[asyncio.Future] = set()
+        self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
+        self._write_pool = ThreadPoolExecutor(max_workers=options.store_write_threads, thread_name_prefix="kv-write")
+        self._publish_lock = threading.Lock()
+        self._pending_publishes: set[Future] = set()
+        max_batch = options.max_batch or derived_max_batch(
+            spec.kv_bytes_per_token(session.kv_dtype.itemsize), spec.context_length, options.kv_cache_bytes)
+        self.slots = open_slots(session, max_batch, spec.context_length)
+        self.scheduler = Scheduler(
+            self.slots,
+            SchedulerOptions(max_batch, options.max_queued, options.max_prefill_tokens_per_step, options.max_unread_tokens),
+            self, self._read_pool,
+        )
+        log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", max_batch,
+                 "one batched decode run per step" if self.slots.batched else "batch-1 runs: this graph has no shared GQA buffer",
+                 options.max_queued, options.max_prefill_tokens_per_step)
 
     @classmethod
     def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
@@ -105,14 +137,17 @@ class Engine:
         return cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._store_executor.shutdown(wait=True)
+        self.scheduler.close()
+        self._read_pool.shutdown(wait=True)
+        self._write_pool.shutdown(wait=True)
         self.store.close()
 
     async def wait_for_publishes(self) -> None:
         """Returns once every publish scheduled so far has reached the store (or failed)."""
-        if self._pending_publishes:
-            await asyncio.gather(*list(self._pending_publishes), return_exceptions=True)
+        with self._publish_lock:
+            pending = list(self._pending_publishes)
+        if pending:
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
 
     def namespace(self, salt: str, encoder_input: BlockHash | None = None) -> Namespace:
         """Everything this worker's prefix K/V depends on besides the tokens (DESIGN invariant 2):
@@ -177,26 +212,6 @@ class Engine:
                 raise InvalidRequest(f"stop[{i}]", "stop strings must not be empty")
         return ids
 
-    async def _lookup(self, ids: list[int], namespace: Namespace, control: CacheControl) -> PrefixLookup:
-        """The prompt's cached run of blocks (none when the request skips reading)."""
-        if control.skip_read:
-            return PrefixLookup(hashes=self.prefix.hashes(namespace, ids), blocks=[])
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._store_executor, self.prefix.lookup, namespace, ids)
-
-    async def _cached_cross(self, input_hash: BlockHash, control: CacheControl) -> np.ndarray | None:
-        """The encoder input's cross K/V from the store, or None (miss, or the request skips reading)."""
-        if control.skip_read:
-            return None
-        loop = asyncio.get_running_loop()
-        s = self.spec
-        return await loop.run_in_executor(self._store_executor, self.cross.get, input_hash, s.num_layers,
-                                          self.session.cross_heads, s.head_size, self.session.kv_dtype)
-
-    def _publish_cross_later(self, input_hash: BlockHash, kv: np.ndarray) -> None:
-        """Stores freshly computed cross K/V on the store threads, off the token path."""
-        self._in_background(lambda: self.cross.put(input_hash, kv))
-
     @staticmethod
     def cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
         """Prompt tokens served from cached blocks. At least the last prompt token always runs,
@@ -204,173 +219,149 @@ class Engine:
         all but the last token (DESIGN invariant 3)."""
         return min(hit_blocks * block_size, prompt_tokens - 1)
 
-    def _publish_later(self, hashes: list[BlockHash], first_block: int, prefill: KVCache, block_size: int) -> None:
-        """Publishes blocks ``first_block ..`` of the prompt (those the store lacked) on the store
-        threads, off the token path. Reading ``prefill`` while decode continues is safe: decode
-        only writes positions after the prompt."""
+    # The scheduler's hooks (services.engine.scheduler.Hooks).
 
-        def publish() -> int:
-            kv = self.session.to_canonical(prefill, len(hashes) * block_size)
-            return self.prefix.publish(hashes, kv, first_block, block_size)
+    def fetch(self, seq: Sequence) -> None:
+        """On a read thread: the prompt's cached run of blocks and, for encoder-decoder models, the
+        encoder input's cross K/V (none when the request skips reading)."""
+        t = time.perf_counter()
+        if seq.cache.skip_read:
+            seq.lookup = PrefixLookup(hashes=self.prefix.hashes(seq.namespace, seq.prompt), blocks=[])
+        else:
+            seq.lookup = self.prefix.lookup(seq.namespace, seq.prompt)
+            if seq.encoder_hash is not None:
+                s = self.spec
+                seq.cross_kv = self.cross.get(seq.encoder_hash, s.num_layers, self.session.cross_heads, s.head_size,
+                                              self.session.kv_dtype)
+        seq.usage.encoder_cache_hit = seq.cross_kv is not None
+        seq.prefilled = seq.usage.cached_prompt_tokens = self.cached_tokens(
+            seq.lookup.hit_blocks, seq.namespace.block_size, len(seq.prompt))
+        seq.timings.cache_fetch_ms = (time.perf_counter() - t) * 1e3
 
-        self._in_background(publish)
+    def begin(self, seq: Sequence) -> None:
+        """On the scheduler thread: copies the cached blocks into the sequence's slot and, for
+        encoder-decoder models, its cross K/V (running the encoder on a miss)."""
+        t = time.perf_counter()
+        cross = seq.cross_kv
+        if seq.encoder_input is not None and cross is None:
+            # Stored in the decoder's K/V dtype, the dtype lookups expect.
+            cross = self.encoder.run(seq.encoder_input).astype(self.session.kv_dtype, copy=False)
+            if not seq.cache.skip_write:
+                input_hash = seq.encoder_hash
+                self._in_background(lambda: self.cross.put(input_hash, cross))
+        self.slots.begin(seq.slot, seq.lookup.blocks, seq.prefilled, cross)
+        # The fetched values are in the slot now; do not hold them for the whole decode.
+        seq.lookup.blocks, seq.cross_kv = [], None
+        seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
+
+    def prefilled(self, seq: Sequence) -> None:
+        """On the scheduler thread, right after the prompt's last chunk: copies the blocks the store
+        lacked out of the slot and publishes them on a write thread. The copy is taken now because
+        the slot is handed to another sequence as soon as this one ends: publishing from the live
+        buffer could put another request's K/V under this prompt's keys."""
+        hashes, first = seq.lookup.hashes, seq.lookup.hit_blocks
+        if seq.cache.skip_write or len(hashes) <= first:
+            return
+        size = seq.namespace.block_size
+        kv = self.slots.canonical(seq.slot, first * size, len(hashes) * size)
+        self._in_background(lambda: self.prefix.publish(hashes, kv, first, size))
 
     def _in_background(self, publish: Callable[[], object]) -> None:
-        """Runs ``publish`` on the store threads; beyond ``max_pending_publishes`` waiting ones it is
+        """Runs ``publish`` on the write threads; beyond ``max_pending_publishes`` waiting ones it is
         dropped (counted) instead, so a slow store cannot make publishes pile up in memory."""
-        if len(self._pending_publishes) >= self.options.max_pending_publishes:
-            self.cache_stats.add(publishes_dropped=1)
-            return
-        future = asyncio.get_running_loop().run_in_executor(self._store_executor, publish)
-        self._pending_publishes.add(future)
-        future.add_done_callback(self._pending_publishes.discard)
-        self.stats.publishes += 1
-
-    def _decode(self, request: GenerationRequest, prepared: PreparedRequest, lookup: PrefixLookup,
-                cross_kv: np.ndarray | None, run_options: ort.RunOptions, halt: threading.Event,
-                emit: Callable[[GenerationChunk], None], on_encoded: Callable[[np.ndarray], None],
-                on_prefill: Callable[[KVCache], None], usage: Usage, timings: Timings, t0: float) -> None:
-        """The token loop of one stream, on one run thread: assemble the past from the cached
-        blocks, run the encoder unless its cross K/V came from the store (encoder-decoder models),
-        prefill the uncached suffix, then sample, hand each token to ``emit`` and step, until a
-        stop condition or until ``halt`` is set.
-
-        Running the whole loop on one thread keeps the event loop off the token path: a step never
-        waits for a thread hand-off or for the previous token to be sent, and a stream waiting for
-        a free thread holds no K/V buffer yet.
-        """
-        if halt.is_set():
-            return
-        ids = prepared.ids
-        capacity = len(ids) + request.max_new_tokens
-        cached = usage.cached_prompt_tokens
-        t_assemble = time.perf_counter()
-        if cached:
-            cache = self.session.cache_from_blocks(lookup.blocks, cached, capacity)
-        else:
-            cache = self.session.empty_cache(capacity)
-        # The fetched values are copied into the past now; do not hold them for the whole decode.
-        lookup.blocks = []
-        timings.cache_fetch_ms += (time.perf_counter() - t_assemble) * 1e3
-        sampler = Sampler(request.sampling)
-        text = TextStream(self.tokenizer, request.stop)
-        t_prefill = time.perf_counter()
-        if prepared.encoder_input is not None:
-            if cross_kv is None:
-                # Stored in the decoder's K/V dtype, the dtype lookups expect.
-                cross_kv = self.encoder.run(prepared.encoder_input).astype(self.session.kv_dtype, copy=False)
-                on_encoded(cross_kv)
-            cache.cross = self.session.cross_values(cross_kv)
-        logits, cache = self.session.run(ids[cached:], cache, run_options)
-        timings.prefill_ms = (time.perf_counter() - t_prefill) * 1e3
-        on_prefill(cache)
-        while not halt.is_set():
-            token = sampler(logits)
-            usage.completion_tokens += 1
-            if usage.completion_tokens == 1:
-                timings.time_to_first_token_ms = (time.perf_counter() - t0) * 1e3
-            reason = None
-            if token in self.spec.eos_token_ids and not request.ignore_eos:
-                reason = FinishReason.EOS
-            delta = text.push(token)
-            if text.stopped:
-                reason = FinishReason.STOP
-            elif reason is None and usage.completion_tokens >= request.max_new_tokens:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                delta += text.finish()
-                if text.stopped:  # a stop string hidden behind an unfinished character until now
-                    reason = FinishReason.STOP
-                timings.total_ms = (time.perf_counter() - t0) * 1e3
-                emit(GenerationChunk([token], delta, reason, usage, timings))
+        with self._publish_lock:
+            if len(self._pending_publishes) >= self.options.max_pending_publishes:
+                self.cache_stats.add(publishes_dropped=1)
                 return
-            emit(GenerationChunk([token], delta))
-            logits, cache = self.session.run([token], cache, run_options)
+            future = self._write_pool.submit(publish)
+            self._pending_publishes.add(future)
+            self.stats.publishes += 1
+        future.add_done_callback(self._published)
 
-    @staticmethod
-    def _merge_ready(first: GenerationChunk | BaseException, queue: asyncio.Queue) -> GenerationChunk:
-        """``first`` and whatever else the token loop has queued meanwhile, as one chunk: a client
-        that reads slower than tokens are made gets fewer, larger messages."""
-        items = [first]
-        while not queue.empty() and not (isinstance(items[-1], GenerationChunk) and items[-1].finish_reason):
-            items.append(queue.get_nowait())
-        for item in items:
-            if isinstance(item, BaseException):
-                raise item
-        last = items[-1]
-        if len(items) == 1:
-            return last
-        return GenerationChunk([t for c in items for t in c.token_ids], "".join(c.text for c in items),
-                               last.finish_reason, last.usage, last.timings)
+    def _published(self, future: Future) -> None:
+        with self._publish_lock:
+            self._pending_publishes.discard(future)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Yields chunks until a stop condition; validation errors raise before the first chunk.
-
-        Cancelling the consuming task stops generation at the current step: an ONNX run in flight
-        is told to terminate, the token loop ends, and the stream's buffers are released.
-        """
-        t0 = time.perf_counter()
-        prepared = self.prepare(request)
-        ids = prepared.ids
-        request_id = request.request_id or uuid.uuid4().hex
-        self.stats.started += 1
-        self.stats.active += 1
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[GenerationChunk | BaseException] = asyncio.Queue()
-        halt = threading.Event()
-        run_options = ort.RunOptions()
-        usage = Usage(prompt_tokens=len(ids))
-        timings = Timings()
+    def _sequence(self, request: GenerationRequest, prepared: PreparedRequest, t0: float) -> Sequence:
         input_hash = None
         if prepared.encoder_input is not None:
             input_hash = self.encoder_input_hash(request.cache.salt, prepared.encoder_input)
-        namespace = self.namespace(request.cache.salt, input_hash)
+        return Sequence(
+            request_id=request.request_id or uuid.uuid4().hex,
+            prompt=prepared.ids,
+            max_new_tokens=request.max_new_tokens,
+            sampler=Sampler(request.sampling),
+            stop_token_ids=frozenset() if request.ignore_eos else frozenset(self.spec.eos_token_ids),
+            namespace=self.namespace(request.cache.salt, input_hash),
+            cache=request.cache,
+            t0=t0,
+            loop=asyncio.get_running_loop(),
+            encoder_input=prepared.encoder_input,
+            encoder_hash=input_hash,
+            return_logits=request.return_logits,
+            usage=Usage(prompt_tokens=len(prepared.ids)),
+        )
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+        """Yields chunks until a stop condition; validation errors and ``Overloaded`` raise before
+        the first chunk.
+
+        Each chunk holds every token made since the previous one: a client that reads slower than
+        tokens are made gets fewer, larger messages, and past ``max_unread_tokens`` its sequence
+        pauses rather than buffering without bound. Closing the stream (cancel, deadline, client
+        gone) frees the sequence's slot at the scheduler's next step.
+        """
+        t0 = time.perf_counter()
+        seq = self._sequence(request, self.prepare(request), t0)
+        self.scheduler.submit(seq)
+        self.stats.started += 1
+        self.stats.active += 1
+        text = TextStream(self.tokenizer, request.stop)
         finished = False
-
-        def emit(item: GenerationChunk | BaseException) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def token_loop(lookup: PrefixLookup, cross_kv: np.ndarray | None) -> None:
-            hashes, hit_blocks = lookup.hashes, lookup.hit_blocks
-
-            def on_encoded(kv: np.ndarray) -> None:
-                if not request.cache.skip_write:
-                    loop.call_soon_threadsafe(self._publish_cross_later, input_hash, kv)
-
-            def on_prefill(prefill: KVCache) -> None:
-                if not request.cache.skip_write and len(hashes) > hit_blocks:
-                    loop.call_soon_threadsafe(self._publish_later, hashes, hit_blocks, prefill, namespace.block_size)
-
-            try:
-                self._decode(request, prepared, lookup, cross_kv, run_options, halt, emit, on_encoded, on_prefill,
-                             usage, timings, t0)
-            except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-                emit(exc)
-
         try:
-            t_fetch = time.perf_counter()
-            if input_hash is None:
-                cross_kv, lookup = None, await self._lookup(ids, namespace, request.cache)
-            else:
-                cross_kv, lookup = await asyncio.gather(self._cached_cross(input_hash, request.cache),
-                                                        self._lookup(ids, namespace, request.cache))
-            usage.encoder_cache_hit = cross_kv is not None
-            usage.cached_prompt_tokens = self.cached_tokens(lookup.hit_blocks, namespace.block_size, len(ids))
-            timings.cache_fetch_ms = (time.perf_counter() - t_fetch) * 1e3
-            loop.run_in_executor(self._executor, token_loop, lookup, cross_kv)
-            del lookup, cross_kv  # the token loop owns the fetched values now
             while not finished:
-                chunk = self._merge_ready(await queue.get(), queue)
+                await seq.ready.wait()
+                seq.ready.clear()
+                items = seq.drain()
+                if not items:
+                    continue
+                chunk = self._chunk(seq, items, text)
                 finished = chunk.finish_reason is not None
+                if len(items) >= self.options.max_unread_tokens:
+                    self.scheduler.wake()  # it may have paused this sequence: it can decode again
                 yield chunk
         finally:
             # Reached on completion, on an error, and when the consumer is cancelled or goes away.
-            halt.set()
-            run_options.terminate = True
+            self.scheduler.abort(seq)
             self.stats.active -= 1
             if finished:
                 self.stats.finished += 1
             else:
                 self.stats.cancelled += 1
                 log.info("request %s stopped after %d generated tokens (cancelled or failed)",
-                         request_id, usage.completion_tokens)
+                         seq.request_id, seq.usage.completion_tokens)
+
+    def _chunk(self, seq: Sequence, items: list, text: TextStream) -> GenerationChunk:
+        """Turns drained tokens into one chunk: text deltas, and the finish reason once the
+        scheduler (EOS, length) or a stop string ends the stream. Raises a failed sequence's error."""
+        tokens: list[int] = []
+        delta, reason = "", None
+        logits = seq.logits[seq.usage.completion_tokens : seq.usage.completion_tokens + len(items)] if seq.return_logits else []
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+            token, reason = item
+            tokens.append(token)
+            seq.usage.completion_tokens += 1
+            delta += text.push(token)
+            if text.stopped:
+                reason = FinishReason.STOP
+            if reason is not None:
+                break
+        if reason is None:
+            return GenerationChunk(tokens, delta, logits=logits[: len(tokens)])
+        delta += text.finish()
+        if text.stopped:  # a stop string hidden behind an unfinished character until now
+            reason = FinishReason.STOP
+        seq.timings.total_ms = (time.perf_counter() - seq.t0) * 1e3
+        return GenerationChunk(tokens, delta, reason, seq.usage, seq.timings, logits=logits[: len(tokens)])

@@ -39,6 +39,8 @@ class GenerationRequest:
     request_id: str = ""
     encoder: EncoderRequest = field(default_factory=EncoderRequest)
     cache: CacheControl = field(default_factory=CacheControl)
+    return_logits: bool = False
+    """Attach each generated position's logits to the chunks (engine-level checks; not in the API)."""
 
 
 @dataclass(slots=True)
@@ -76,3 +78,5 @@ class GenerationChunk:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     timings: Timings | None = None
+    logits: list[np.ndarray] = field(default_factory=list)
+    """With ``GenerationRequest.return_logits``: float32 ``[vocab]`` per token of ``token_ids``."""

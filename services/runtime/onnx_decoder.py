@@ -54,7 +54,7 @@ class KVCache:
     """Encoder-decoder models: the cross-attention K/V inputs, in ``spec.encoder.cross_inputs`` order."""
 
 
-def _aligned_zeros(shape: list[int], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+def aligned_zeros(shape: list[int], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
     """Zeros whose data starts on an ``alignment``-byte boundary.
 
     ONNX Runtime's CPU kernels read K/V faster from 64-byte aligned memory than from numpy's
@@ -66,6 +66,18 @@ def _aligned_zeros(shape: list[int], dtype: np.dtype, alignment: int = 64) -> np
     raw = np.zeros(count + alignment // dtype.itemsize, dtype=dtype)
     offset = (-raw.ctypes.data % alignment) // dtype.itemsize
     return raw[offset : offset + count].reshape(shape)
+
+
+def blocks_into(dest: np.ndarray, blocks: Sequence[np.ndarray], tokens: int) -> None:
+    """Copies the first ``tokens`` tokens of canonical ``blocks`` (each ``[layers, 2, kv_heads,
+    block_tokens, head]``) into ``dest`` ``[layers, 2, kv_heads, >= tokens, head]``: one copy per block."""
+    offset = 0
+    for block in blocks:
+        n = min(block.shape[3], tokens - offset)
+        if n <= 0:
+            break
+        dest[:, :, :, offset : offset + n] = block[:, :, :, :n]
+        offset += n
 
 
 def choose_providers(requested: str) -> list[str]:
@@ -114,17 +126,28 @@ class DecoderSession:
         self._device = device_of(self._session)
         dtypes = input_dtypes(self._session, spec.onnx_path)
         self._check_names(dtypes)
-        self._ids_dtype = dtypes[spec.input_ids_name]
-        self._mask_dtype = dtypes.get(spec.attention_mask_name)
-        self._pos_dtype = dtypes.get(spec.position_ids_name)
+        self.ids_dtype = dtypes[spec.input_ids_name]
+        self.mask_dtype = dtypes.get(spec.attention_mask_name)
+        self.pos_dtype = dtypes.get(spec.position_ids_name)
         self.kv_dtype = dtypes[spec.kv.flat_past[0]]
         self.shares_buffer = spec.past_present_share_buffer and spec.kv.layout is KVLayout.SEPARATE
         self.cross_heads = self._cross_heads()
         logits = next(o for o in self._session.get_outputs() if o.name == spec.logits_name)
-        self._logits_rank = len(logits.shape)
-        self._logits_dtype = _ORT_TYPES[logits.type]
+        self.logits_rank = len(logits.shape)
+        self.logits_dtype = np.dtype(_ORT_TYPES[logits.type])
         log.info("model %s on %s (kv %s, layout %s, shared past/present buffer: %s)", spec.name,
                  self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer)
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the session keeps tensors in host memory (CPU provider)."""
+        return self._device[0] == "cpu"
+
+    def io_binding(self) -> ort.IOBinding:
+        return self._session.io_binding()
+
+    def run_binding(self, binding: ort.IOBinding, run_options: ort.RunOptions | None = None) -> None:
+        self._session.run_with_iobinding(binding, run_options)
 
     def _cross_heads(self) -> int:
         """Heads of the cross-attention K/V inputs: from the graph where it fixes them (a decoder
@@ -148,7 +171,7 @@ class DecoderSession:
         model-layout views into it (separate: ``[l, j]``; combined: ``[l]`` with its K/V axis).
 
         One array for all layers lets a canonical block land with a single copy."""
-        kv = _aligned_zeros(
+        kv = aligned_zeros(
             [self.spec.num_layers, 2, 1, self.spec.num_kv_heads, capacity, self.spec.head_size], self.kv_dtype
         )
         if self.spec.kv.layout is KVLayout.SEPARATE:
@@ -176,13 +199,7 @@ class DecoderSession:
         ``[layers, 2, kv_heads, block_tokens, head]``), copied straight into the model's buffers."""
         capacity = max(capacity, tokens) if self.shares_buffer else tokens
         kv, arrays = self._host_buffers(capacity)
-        offset = 0
-        for block in blocks:
-            n = min(block.shape[3], tokens - offset)
-            if n <= 0:
-                break
-            kv[:, :, 0, :, offset : offset + n] = block[:, :, :, :n]
-            offset += n
+        blocks_into(kv[:, :, 0], blocks, tokens)
         return self._to_device(arrays, tokens, capacity)
 
     def cross_values(self, kv: np.ndarray) -> list[ort.OrtValue]:
@@ -215,8 +232,8 @@ class DecoderSession:
                 binding.bind_output(name, *self._device)
         if self.shares_buffer:
             cache.binding = binding
-            if self._logits_rank == 3:
-                cache.step_logits = np.empty((1, 1, self.spec.vocab_size), dtype=self._logits_dtype)
+            if self.logits_rank == 3:
+                cache.step_logits = np.empty((1, 1, self.spec.vocab_size), dtype=self.logits_dtype)
         return binding
 
     def run(self, token_ids: Sequence[int], cache: KVCache, run_options: ort.RunOptions | None = None) -> tuple[np.ndarray, KVCache]:
@@ -229,11 +246,11 @@ class DecoderSession:
         if self.shares_buffer and total > cache.capacity:
             raise ValueError(f"{total} tokens exceed the cache's capacity of {cache.capacity}")
         binding = cache.binding or self._new_binding(cache)
-        binding.bind_cpu_input(self.spec.input_ids_name, np.asarray([token_ids], dtype=self._ids_dtype))
-        if self._mask_dtype is not None:
-            binding.bind_cpu_input(self.spec.attention_mask_name, np.ones((1, total), dtype=self._mask_dtype))
-        if self._pos_dtype is not None:
-            positions = np.arange(cache.length, total, dtype=self._pos_dtype)[None, :]
+        binding.bind_cpu_input(self.spec.input_ids_name, np.asarray([token_ids], dtype=self.ids_dtype))
+        if self.mask_dtype is not None:
+            binding.bind_cpu_input(self.spec.attention_mask_name, np.ones((1, total), dtype=self.mask_dtype))
+        if self.pos_dtype is not None:
+            positions = np.arange(cache.length, total, dtype=self.pos_dtype)[None, :]
             binding.bind_cpu_input(self.spec.position_ids_name, positions)
         one_step = n == 1 and cache.step_logits is not None
         if one_step:

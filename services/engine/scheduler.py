@@ -1,0 +1,334 @@
+"""The scheduler: owns every active sequence of a worker and advances them in steps.
+
+One thread runs the steps. Each step is decided by ``schedule()`` (a plain ``StepPlan``: which
+sequences decode, which prefill chunks run) and carried out by ``execute()``:
+
+- every sequence that is decoding advances in *one* model run (``SlotBank.decode``); a sequence
+  joins that batch the step after its prefill ends and leaves the moment it finishes or is
+  cancelled: nobody waits for a batch to drain;
+- prefill chunks share one token budget per step (``max_prefill_tokens_per_step``), run after the
+  decode, so the streams already decoding keep a bounded gap between tokens while long prompts
+  arrive.
+
+Admission is decided at the door, synchronously: a free slot is taken at once, else the request
+waits in a queue of at most ``max_queued``; past that ``Overloaded`` is raised before any work is
+done. Store lookups run on the engine's read threads (the ``Hooks``), never on this thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from services.engine.generation import FinishReason
+from services.engine.sequence import Phase, Sequence
+from services.errors import Overloaded
+from services.runtime.slots import SlotBank
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerOptions:
+    max_batch: int
+    """Sequences holding a slot at once (fetching, prefilling or decoding)."""
+    max_queued: int
+    """Admitted sequences waiting for a slot; one more is refused with ``Overloaded``."""
+    max_prefill_tokens_per_step: int
+    """Prompt tokens prefilled per step, across all prefilling sequences."""
+    max_unread_tokens: int
+    """A sequence whose consumer has this many tokens still to read sits out decode steps."""
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Counters since start (tokens, runs, sequences); read by tests, benchmarks and logs."""
+
+    admitted: int = 0
+    rejected: int = 0
+    finished: int = 0
+    aborted: int = 0
+    failed: int = 0
+    decode_steps: int = 0
+    decode_rows: int = 0
+    """Sum over decode steps of the sequences advanced: decode_rows / decode_steps is the mean batch."""
+    max_decode_rows: int = 0
+    prefill_runs: int = 0
+    prefill_tokens: int = 0
+    """Prompt tokens computed (not served from the store)."""
+
+
+@dataclass(slots=True)
+class StepPlan:
+    decode: list[Sequence] = field(default_factory=list)
+    prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    """(sequence, prompt tokens to run this step), in admission order."""
+
+    @property
+    def empty(self) -> bool:
+        return not self.decode and not self.prefill
+
+
+class Hooks(Protocol):
+    """What the scheduler asks of the engine (which knows the store and the encoder)."""
+
+    def fetch(self, seq: Sequence) -> None:
+        """On a read thread: the store lookup; sets ``seq.lookup``, ``seq.prefilled`` and usage."""
+
+    def begin(self, seq: Sequence) -> None:
+        """On the scheduler thread, before the first chunk: fills the slot from the lookup."""
+
+    def prefilled(self, seq: Sequence) -> None:
+        """On the scheduler thread, right after the last chunk: copies out blocks to publish."""
+
+
+class Scheduler:
+    def __init__(self, slots: SlotBank, options: SchedulerOptions, hooks: Hooks, read_pool: Executor) -> None:
+        self.slots = slots
+        self.options = options
+        self.stats = SchedulerStats()
+        self._hooks = hooks
+        self._read_pool = read_pool
+        self._cond = threading.Condition()
+        self._queue: deque[Sequence] = deque()
+        self._active: list[Sequence] = []
+        """Sequences holding a slot, in admission order."""
+        self._closed = False
+        self._touched: dict[int, Sequence] = {}
+        self._thread = threading.Thread(target=self._run, name="kv-scheduler", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> int:
+        return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def submit(self, seq: Sequence) -> None:
+        """Admits ``seq`` or raises ``Overloaded`` at once, naming what was full."""
+        with self._cond:
+            if self._closed:
+                raise Overloaded("the worker is shutting down; retry on another replica")
+            if len(self._active) < self.options.max_batch and not self._queue:
+                self._start(seq)
+            elif len(self._queue) < self.options.max_queued:
+                self._queue.append(seq)
+            else:
+                self.stats.rejected += 1
+                raise Overloaded(
+                    f"the worker is full: {len(self._active)} sequences running (--max-batch "
+                    f"{self.options.max_batch}) and {len(self._queue)} queued (--max-queued "
+                    f"{self.options.max_queued}); retry later or on another replica")
+            self.stats.admitted += 1
+
+    def abort(self, seq: Sequence) -> None:
+        """The consumer is gone: free the sequence's slot at the next step (consumer side)."""
+        with self._cond:
+            if seq.done:
+                return
+            seq.aborted = True
+            if seq.phase is Phase.QUEUED:
+                self._queue.remove(seq)
+                self.stats.aborted += 1
+                self._finish(seq)
+            self._cond.notify()
+
+    def wake(self) -> None:
+        """The consumer read a paused sequence's tokens: it may decode again."""
+        with self._cond:
+            self._cond.notify()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+        self._fail_all([*self._active, *self._queue], Overloaded("the worker is shutting down"))
+        self._deliver()
+
+    # Everything below runs on the scheduler thread, except _start (under the lock, from submit).
+
+    def _start(self, seq: Sequence) -> None:
+        """Gives ``seq`` a slot and starts its store lookup (lock held)."""
+        seq.slot = self.slots.acquire(len(seq.prompt) + seq.max_new_tokens)
+        seq.phase = Phase.FETCHING
+        self._active.append(seq)
+        self._read_pool.submit(self._fetch, seq)
+
+    def _fetch(self, seq: Sequence) -> None:
+        try:
+            self._hooks.fetch(seq)
+        except BaseException as exc:  # noqa: BLE001 - the hook degrades store errors itself; anything else fails this sequence
+            with self._cond:
+                self._fail(seq, exc)
+                self._cond.notify()
+            seq.loop.call_soon_threadsafe(_set_ready, [seq])
+            return
+        with self._cond:
+            if seq.phase is Phase.FETCHING:
+                seq.phase = Phase.PREFILLING
+            self._cond.notify()
+
+    def _finish(self, seq: Sequence) -> None:
+        """Frees the sequence's slot (lock held or scheduler thread)."""
+        if seq.slot is not None:
+            self.slots.release(seq.slot)
+            seq.slot = None
+        if seq in self._active:
+            self._active.remove(seq)
+        seq.phase = Phase.FINISHED
+
+    def _fail(self, seq: Sequence, exc: BaseException) -> None:
+        """Ends ``seq`` with ``exc`` for its consumer (lock held); the caller wakes the consumer."""
+        if seq.done:
+            return
+        self.stats.failed += 1
+        if seq.phase is Phase.QUEUED and seq in self._queue:
+            self._queue.remove(seq)
+        self._finish(seq)
+        seq.outbox.append(exc)
+
+    def schedule(self) -> StepPlan:
+        """Reaps aborted sequences, hands free slots to the queue, and decides the next step (lock held)."""
+        for seq in [s for s in self._active if s.aborted]:
+            self.stats.aborted += 1
+            self._finish(seq)
+        while self._queue and len(self._active) < self.options.max_batch:
+            self._start(self._queue.popleft())
+        plan = StepPlan()
+        budget = self.options.max_prefill_tokens_per_step
+        for seq in self._active:
+            if seq.phase is Phase.DECODING:
+                seq.paused = len(seq.outbox) >= self.options.max_unread_tokens
+                if not seq.paused:
+                    plan.decode.append(seq)
+            elif seq.phase is Phase.PREFILLING and budget > 0:
+                n = min(budget, len(seq.prompt) - seq.prefilled)
+                plan.prefill.append((seq, n))
+                budget -= n
+        return plan
+
+    def execute(self, plan: StepPlan) -> None:
+        """Runs the decode batch, then the prefill chunks; each finished run's tokens go out at once."""
+        if plan.decode:
+            try:
+                logits = self.slots.decode([s.slot for s in plan.decode], [s.next_token for s in plan.decode])
+            except Exception as exc:  # noqa: BLE001 - a failed run fails its rows; the worker keeps serving
+                log.exception("decode step failed for %d sequences", len(plan.decode))
+                self._fail_all(plan.decode, exc)
+            else:
+                self.stats.decode_steps += 1
+                self.stats.decode_rows += len(plan.decode)
+                self.stats.max_decode_rows = max(self.stats.max_decode_rows, len(plan.decode))
+                self._sample(plan.decode, logits)
+            self._deliver()
+        for seq, n in plan.prefill:
+            try:
+                logits = self._prefill(seq, n)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("prefill failed for request %s", seq.request_id)
+                self._fail_all([seq], exc)
+            else:
+                if logits is not None:
+                    self._sample([seq], logits[None])
+            self._deliver()
+
+    def _prefill(self, seq: Sequence, n: int) -> np.ndarray | None:
+        """Runs the next ``n`` prompt tokens of ``seq``; the logits once the prompt is done, else None."""
+        t = time.perf_counter()
+        if not seq.assembled:
+            self._hooks.begin(seq)
+            seq.assembled = True
+        start = seq.prefilled
+        logits = self.slots.prefill(seq.slot, seq.prompt[start : start + n])
+        seq.prefilled += n
+        self.stats.prefill_runs += 1
+        self.stats.prefill_tokens += n
+        seq.timings.prefill_ms += (time.perf_counter() - t) * 1e3
+        if seq.prefilled < len(seq.prompt):
+            return None
+        self._hooks.prefilled(seq)
+        return logits
+
+    def _sample(self, seqs: list[Sequence], logits: np.ndarray) -> None:
+        """Picks each row's token (greedy rows in one vectorised arg-max) and sends it out."""
+        tokens = np.empty(len(seqs), dtype=np.int64)
+        greedy = [i for i, s in enumerate(seqs) if s.sampler.config.greedy]
+        if greedy:
+            tokens[greedy] = np.argmax(logits[greedy], axis=1)
+        for i, seq in enumerate(seqs):
+            if not seq.sampler.config.greedy:
+                tokens[i] = seq.sampler(logits[i])
+            if seq.return_logits:
+                seq.logits.append(logits[i].copy())
+            self._emit(seq, int(tokens[i]))
+
+    def _emit(self, seq: Sequence, token: int) -> None:
+        seq.generated += 1
+        if seq.generated == 1:
+            seq.timings.time_to_first_token_ms = (time.perf_counter() - seq.t0) * 1e3
+        reason = None
+        if token in seq.stop_token_ids:
+            reason = FinishReason.EOS
+        elif seq.generated >= seq.max_new_tokens:
+            reason = FinishReason.LENGTH
+        seq.outbox.append((token, reason))
+        self._touched[id(seq)] = seq
+        if reason is None:
+            seq.next_token = token
+            seq.phase = Phase.DECODING
+            return
+        with self._cond:
+            self.stats.finished += 1
+            self._finish(seq)
+
+    def _fail_all(self, seqs: list[Sequence], exc: BaseException) -> None:
+        with self._cond:
+            for seq in seqs:
+                self._fail(seq, exc)
+                self._touched[id(seq)] = seq
+
+    def _deliver(self) -> None:
+        """Wakes the consumers of every sequence with new output: one call per event loop."""
+        touched, self._touched = list(self._touched.values()), {}
+        by_loop: dict[int, tuple[object, list[Sequence]]] = {}
+        for seq in touched:
+            by_loop.setdefault(id(seq.loop), (seq.loop, []))[1].append(seq)
+        for loop, seqs in by_loop.values():
+            try:
+                loop.call_soon_threadsafe(_set_ready, seqs)
+            except RuntimeError:  # that loop is closed: nobody is waiting any more
+                pass
+
+    def _has_work(self) -> bool:
+        return any(
+            s.aborted or s.phase is Phase.PREFILLING
+            or (s.phase is Phase.DECODING and len(s.outbox) < self.options.max_unread_tokens)
+            for s in self._active
+        ) or (bool(self._queue) and len(self._active) < self.options.max_batch)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._closed and not self._has_work():
+                    self._cond.wait()
+                if self._closed:
+                    return
+                plan = self.schedule()
+            if not plan.empty:
+                self.execute(plan)
+
+
+def _set_ready(seqs: list[Sequence]) -> None:
+    for seq in seqs:
+        seq.ready.set()
+

@@ -1,0 +1,91 @@
+"""One request's life inside a worker, as data: its phase, its slot, and the tokens on their way out.
+
+A sequence moves ``QUEUED → FETCHING → PREFILLING → DECODING → FINISHED`` (any phase can jump to
+FINISHED when its consumer goes away). The scheduler thread owns every field except the ones the
+consumer (the request's coroutine on the event loop) touches: it drains ``outbox`` and sets
+``aborted`` through the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from cachestore.keys import BlockHash, Namespace
+from cachestore.prefix import PrefixLookup
+from services.engine.generation import CacheControl, FinishReason, Timings, Usage
+from services.engine.sampling import Sampler
+from services.runtime.slots import Slot
+
+
+class Phase(Enum):
+    QUEUED = "queued"
+    """Admitted; waiting for a free slot."""
+    FETCHING = "fetching"
+    """Holds a slot; its store lookup runs on a read thread."""
+    PREFILLING = "prefilling"
+    """Its uncached prompt runs on its own row, in chunks under the per-step token budget."""
+    DECODING = "decoding"
+    """Advances one token per step in the shared decode batch."""
+    FINISHED = "finished"
+    """Done, cancelled or failed; its slot is free again."""
+
+
+OutItem = tuple[int, FinishReason | None] | BaseException
+"""What the consumer drains: a token with the reason it ended the sequence (None: more follow), or
+the error that ended it."""
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    max_new_tokens: int
+    sampler: Sampler
+    stop_token_ids: frozenset[int]
+    """Token ids that end the sequence (the model's EOS ids unless the request ignores EOS)."""
+    namespace: Namespace
+    cache: CacheControl
+    t0: float
+    """perf_counter() when the engine received the request; timings are measured from it."""
+    loop: asyncio.AbstractEventLoop
+    encoder_input: np.ndarray | None = None
+    encoder_hash: BlockHash | None = None
+    return_logits: bool = False
+    """Keep each sampled position's logits (float32 ``[vocab]``) in ``logits``; for checks."""
+    phase: Phase = Phase.QUEUED
+    slot: Slot | None = None
+    lookup: PrefixLookup | None = None
+    cross_kv: np.ndarray | None = None
+    """Encoder-decoder models: cross K/V found in the store, until copied into the slot."""
+    prefilled: int = 0
+    """Prompt tokens whose K/V the slot holds (or will, once the cached blocks are copied in)."""
+    assembled: bool = False
+    """Whether the cached blocks (and cross K/V) are in the slot yet."""
+    next_token: int = -1
+    """The last sampled token, fed at the next decode step."""
+    generated: int = 0
+    aborted: bool = False
+    paused: bool = False
+    """Skipped by decode steps because the consumer has ``max_unread_tokens`` tokens still to read."""
+    usage: Usage = field(default_factory=Usage)
+    timings: Timings = field(default_factory=Timings)
+    outbox: deque[OutItem] = field(default_factory=deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set (on the consumer's loop) when ``outbox`` has something new."""
+    logits: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.FINISHED
+
+    def drain(self) -> list[OutItem]:
+        """Everything queued for the consumer so far (consumer side)."""
+        items = []
+        while self.outbox:
+            items.append(self.outbox.popleft())
+        return items

@@ -1,0 +1,224 @@
+"""K/V memory as slots: one slot per active sequence of a worker, and the model runs over them.
+
+Two banks share one interface, chosen by what the graph allows:
+
+- ``SharedSlots`` (GroupQueryAttention with a shared past/present buffer, separate K/V tensors,
+  host memory): per layer one K and one V buffer ``[max_batch, kv_heads, max_seq, head]``, bound as
+  both past and present; a slot is one row. A decode step runs every decoding row in *one* model
+  run (``seqlens_k`` per row, right-padded, from the attention mask). A prefill chunk runs batch 1
+  on its own row (the operator refuses batch > 1 with several new tokens over a past); the row is
+  contiguous, so no copy is made. Cached blocks are copied straight into the row.
+- ``SequenceSlots`` (every other graph: the combined layout, standard-op attention, the
+  encoder-decoder decoder, and shared-buffer graphs on a device): each slot owns a ``KVCache`` and
+  every row runs batch 1, one after the other.
+
+Invariant of ``SharedSlots.decode``: a run covers rows ``0 .. hi`` where ``hi`` is one past the
+highest row decoding, so rows in that range that are not decoding (free, fetching, prefilling or
+paused) run too. Each such row is fed one dummy token at its first unwritten position (its
+``length``); it writes K/V only there, which that row's own next run overwrites. Its output is
+ignored. Slots are handed out lowest index first to keep ``hi`` small.
+
+Not thread-safe: one thread (the scheduler's) calls every method.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime as ort
+
+from services.runtime.onnx_decoder import (
+    DecoderSession,
+    KVCache,
+    aligned_zeros,
+    blocks_into,
+)
+
+
+@dataclass(slots=True, eq=False)
+class Slot:
+    """One sequence's K/V: ``length`` tokens held, room for ``capacity``."""
+
+    index: int
+    capacity: int
+    length: int = 0
+    cache: KVCache | None = None
+    """``SequenceSlots`` only: the sequence's own cache."""
+
+
+class SharedSlots:
+    """Rows of one shared K/V buffer per layer; decode steps batch every decoding row."""
+
+    batched = True
+
+    def __init__(self, session: DecoderSession, max_batch: int, max_seq: int) -> None:
+        spec = session.spec
+        assert session.shares_buffer and session.on_host and spec.encoder is None, "a host GQA shared-buffer graph"
+        self.session = session
+        self.max_batch = max_batch
+        self.max_seq = max_seq
+        # np.zeros maps pages lazily: memory is committed only as rows are written.
+        self._kv = aligned_zeros([spec.num_layers, 2, max_batch, spec.num_kv_heads, max_seq, spec.head_size],
+                                 session.kv_dtype)
+        self._lengths = np.zeros(max_batch, dtype=np.int64)
+        self._free = list(range(max_batch))
+        self._row_bytes = self._kv[0, 0, 0].nbytes
+        self._logits = np.empty((max_batch, 1, spec.vocab_size), dtype=session.logits_dtype)
+        self._decode_bindings: dict[int, ort.IOBinding] = {}
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, capacity: int) -> Slot:
+        assert capacity <= self.max_seq, f"{capacity} tokens exceed a row of {self.max_seq}"
+        return Slot(heapq.heappop(self._free), capacity)
+
+    def release(self, slot: Slot) -> None:
+        self._lengths[slot.index] = 0
+        heapq.heappush(self._free, slot.index)
+
+    def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None) -> None:
+        """Fills the slot with the first ``tokens`` tokens of cached ``blocks``."""
+        assert cross_kv is None, "encoder-decoder models use SequenceSlots"
+        blocks_into(self._kv[:, :, slot.index], blocks, tokens)
+        self._set_length(slot, tokens)
+
+    def canonical(self, slot: Slot, start: int, end: int) -> np.ndarray:
+        """A copy of tokens ``start .. end`` of the slot, canonical ``[layers, 2, kv_heads, n, head]``."""
+        return np.ascontiguousarray(self._kv[:, :, slot.index, :, start:end])
+
+    def _set_length(self, slot: Slot, length: int) -> None:
+        slot.length = length
+        self._lengths[slot.index] = length
+
+    def _bind_rows(self, binding: ort.IOBinding, first: int, rows: int) -> None:
+        """Binds rows ``first .. first + rows`` of every layer's K and V as both past and present."""
+        spec, kv = self.session.spec, self._kv
+        shape = [rows, spec.num_kv_heads, self.max_seq, spec.head_size]
+        element = self.session.kv_dtype.type
+        for layer in range(spec.num_layers):
+            for j in (0, 1):
+                pointer = kv[layer, j].ctypes.data + first * self._row_bytes
+                binding.bind_input(spec.kv.past[layer][j], "cpu", 0, element, shape, pointer)
+                binding.bind_output(spec.kv.present[layer][j], "cpu", 0, element, shape, pointer)
+
+    def _bind_inputs(self, binding: ort.IOBinding, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Token ids ``[rows, n]`` after ``lengths`` tokens per row: mask ones over each row's
+        past and new tokens (right-padded to the longest row), positions when the graph takes them."""
+        session, spec = self.session, self.session.spec
+        n = ids.shape[1]
+        binding.bind_cpu_input(spec.input_ids_name, ids.astype(session.ids_dtype, copy=False))
+        if session.mask_dtype is not None:
+            total = int(lengths.max()) + n
+            mask = (np.arange(total)[None, :] < (lengths + n)[:, None]).astype(session.mask_dtype)
+            binding.bind_cpu_input(spec.attention_mask_name, mask)
+        if session.pos_dtype is not None:
+            positions = (lengths[:, None] + np.arange(n)[None, :]).astype(session.pos_dtype)
+            binding.bind_cpu_input(spec.position_ids_name, positions)
+
+    def prefill(self, slot: Slot, token_ids: Sequence[int]) -> np.ndarray:
+        """Runs ``token_ids`` after the slot's tokens (batch 1, on its row); the last position's
+        logits ``[vocab]`` as float32."""
+        n = len(token_ids)
+        assert slot.length + n <= slot.capacity, "prefill past the slot's capacity"
+        binding = self.session.io_binding()
+        binding.bind_output(self.session.spec.logits_name, "cpu")
+        self._bind_rows(binding, slot.index, 1)
+        self._bind_inputs(binding, np.asarray([token_ids]), self._lengths[slot.index : slot.index + 1])
+        self.session.run_binding(binding)
+        logits = binding.get_outputs()[0].numpy()
+        self._set_length(slot, slot.length + n)
+        return logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32)
+
+    def _decode_binding(self, rows: int) -> ort.IOBinding:
+        """The binding of rows ``0 .. rows``, K/V and logits bound once and kept."""
+        binding = self._decode_bindings.get(rows)
+        if binding is None:
+            binding = self.session.io_binding()
+            spec = self.session.spec
+            if self.session.logits_rank == 3:
+                binding.bind_output(spec.logits_name, "cpu", 0, self._logits.dtype.type, [rows, 1, spec.vocab_size],
+                                    self._logits.ctypes.data)
+            else:
+                binding.bind_output(spec.logits_name, "cpu")
+            self._bind_rows(binding, 0, rows)
+            self._decode_bindings[rows] = binding
+        return binding
+
+    def decode(self, slots: Sequence[Slot], tokens: Sequence[int]) -> np.ndarray:
+        """One model run that feeds ``tokens[i]`` to ``slots[i]``; returns logits ``[len(slots), vocab]``
+        (float32) in the same order. Rows in range that are not in ``slots`` get a dummy token at
+        their own next position (see the module's invariant)."""
+        index = np.fromiter((s.index for s in slots), dtype=np.int64, count=len(slots))
+        assert all(s.length < s.capacity for s in slots), "decode past a slot's capacity"
+        rows = int(index.max()) + 1
+        ids = np.zeros((rows, 1), dtype=np.int64)
+        ids[index, 0] = tokens
+        binding = self._decode_binding(rows)
+        self._bind_inputs(binding, ids, self._lengths[:rows])
+        self.session.run_binding(binding)
+        if self.session.logits_rank == 3:
+            logits = self._logits[index, 0]
+        else:
+            out = binding.get_outputs()[0].numpy()
+            logits = out.reshape(rows, -1, out.shape[-1])[index, -1]
+        for slot in slots:
+            self._set_length(slot, slot.length + 1)
+        return logits.astype(np.float32, copy=False)
+
+
+class SequenceSlots:
+    """One ``KVCache`` per slot, each row run batch 1: the layout for graphs ``SharedSlots`` cannot batch."""
+
+    batched = False
+
+    def __init__(self, session: DecoderSession, max_batch: int, max_seq: int) -> None:
+        self.session = session
+        self.max_batch = max_batch
+        self.max_seq = max_seq
+        self._free = list(range(max_batch))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, capacity: int) -> Slot:
+        return Slot(heapq.heappop(self._free), capacity)
+
+    def release(self, slot: Slot) -> None:
+        slot.cache = None
+        heapq.heappush(self._free, slot.index)
+
+    def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None) -> None:
+        if tokens:
+            slot.cache = self.session.cache_from_blocks(blocks, tokens, slot.capacity)
+        else:
+            slot.cache = self.session.empty_cache(slot.capacity)
+        if cross_kv is not None:
+            slot.cache.cross = self.session.cross_values(cross_kv)
+        slot.length = tokens
+
+    def canonical(self, slot: Slot, start: int, end: int) -> np.ndarray:
+        return self.session.to_canonical(slot.cache, end)[:, :, :, start:end]
+
+    def prefill(self, slot: Slot, token_ids: Sequence[int]) -> np.ndarray:
+        logits, slot.cache = self.session.run(token_ids, slot.cache)
+        slot.length = slot.cache.length
+        return logits
+
+    def decode(self, slots: Sequence[Slot], tokens: Sequence[int]) -> np.ndarray:
+        return np.stack([self.prefill(slot, [token]) for slot, token in zip(slots, tokens, strict=True)])
+
+
+SlotBank = SharedSlots | SequenceSlots
+
+
+def open_slots(session: DecoderSession, max_batch: int, max_seq: int) -> SlotBank:
+    """The bank that batches this graph best (see the module docstring)."""
+    if session.shares_buffer and session.on_host and session.spec.encoder is None:
+        return SharedSlots(session, max_batch, max_seq)
+    return SequenceSlots(session, max_batch, max_seq)
