@@ -11,12 +11,12 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.subprocess
 
 
-@pytest.mark.parametrize("bench", ["ttft", "fetch", "decode", "overhead", "block_size"])
+@pytest.mark.parametrize("bench", ["ttft", "fetch", "decode", "overhead", "block_size", "batch"])
 def test_benchmark_smoke_run(bench, tmp_path):
-    extra = ["--plot", str(tmp_path / "ttft.png")] if bench == "ttft" else []
+    extra = ["--plot", str(tmp_path / f"{bench}.png")] if bench in ("ttft", "batch") else []
     proc = subprocess.run([sys.executable, "-m", f"bench.{bench}", "--smoke", *extra], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "|---:|" in proc.stdout, "prints its table"
-    if bench == "ttft":
-        assert (tmp_path / "ttft.png").read_bytes()[:4] == b"\x89PNG"
+    if bench in ("ttft", "batch"):
+        assert (tmp_path / f"{bench}.png").read_bytes()[:4] == b"\x89PNG"

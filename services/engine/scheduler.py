@@ -110,6 +110,12 @@ class Scheduler:
         return len(self._active)
 
     @property
+    def active(self) -> list[Sequence]:
+        """The sequences holding a slot now, in admission order (a snapshot)."""
+        with self._cond:
+            return list(self._active)
+
+    @property
     def queued(self) -> int:
         return len(self._queue)
 
@@ -286,6 +292,7 @@ class Scheduler:
         if reason is None:
             seq.next_token = token
             seq.phase = Phase.DECODING
+            seq.paused = len(seq.outbox) >= self.options.max_unread_tokens
             return
         with self._cond:
             self.stats.finished += 1

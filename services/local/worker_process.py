@@ -29,7 +29,7 @@ class WorkerProcess:
         self._log_file = log_path.open("w") if log_path else None
         self._process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[2],
         )
         self._port_ready = threading.Event()
         self.target = ""

@@ -1,0 +1,311 @@
+"""The scheduler: batched streams equal streams run alone, cancel, admission, back-pressure, and
+store work off the token path. In-process engines over real ONNX Runtime sessions; the shared
+store is a real redis-server. Nothing here depends on the machine's speed: every case waits for
+states, never for durations."""
+
+import asyncio
+import threading
+
+import grpc
+import numpy as np
+import pytest
+from conftest import collect, record_margin
+
+from cachestore.codec import Expected, ValueKind, decode
+from cachestore.factory import StoreOptions, open_store
+from cachestore.keys import block_key
+from cachestore.memory import MemoryStore
+from cachestore.stats import CacheStats
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.servicer import GeneratorServicer
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import CacheControl, GenerationRequest
+from services.engine.sampling import SamplingConfig
+from services.engine.sequence import Phase
+from services.errors import Overloaded
+from services.runtime.slots import SharedSlots
+
+B = 16
+TOLERANCE = 1e-4
+VOCAB = 512
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB, size=n).tolist()
+
+
+def make_engine(folder, store=None, **options) -> Engine:
+    return Engine.load(folder, EngineOptions(block_size=B, **options), store or MemoryStore(64 << 20), CacheStats(),
+                       "cpu", 2)
+
+
+def request(ids, n=24, seed=None, **cache) -> GenerationRequest:
+    sampling = SamplingConfig(temperature=0.8, top_k=40, seed=seed) if seed is not None else SamplingConfig()
+    return GenerationRequest(prompt_token_ids=list(ids), max_new_tokens=n, ignore_eos=True, sampling=sampling,
+                             return_logits=True, cache=CacheControl(**cache))
+
+
+async def run_stream(engine: Engine, req: GenerationRequest, started: asyncio.Event | None = None):
+    """(token ids, logits per token, last chunk); sets ``started`` once the first chunk arrived."""
+    tokens, logits, last = [], [], None
+    async for chunk in engine.generate(req):
+        tokens += chunk.token_ids
+        logits += chunk.logits
+        last = chunk
+        if started is not None:
+            started.set()
+    return tokens, logits, last
+
+
+def alone(engine: Engine, req: GenerationRequest):
+    """The request on an otherwise idle engine, nothing read from the store."""
+    req = GenerationRequest(**{**{f: getattr(req, f) for f in req.__slots__}, "cache": CacheControl(skip_read=True, skip_write=True)})
+    return asyncio.run(run_stream(engine, req))
+
+
+@pytest.fixture()
+def tiny_pair(tiny_model, redis_url):
+    """Two replicas on one real Redis, and a third engine that runs each request alone."""
+    engines = [make_engine(tiny_model, open_store(redis_url, StoreOptions(), CacheStats())) for _ in range(2)]
+    engines.append(make_engine(tiny_model))
+    yield engines
+    for e in engines:
+        e.close()
+
+
+def test_tiny_model_runs_on_shared_slots(tiny_pair):
+    assert isinstance(tiny_pair[0].slots, SharedSlots)
+
+
+def test_sixteen_concurrent_streams_equal_each_stream_alone(tiny_pair):
+    replica_a, replica_b, solo = tiny_pair
+    system = prompt(5 * B, seed=100)
+    collect(replica_a, GenerationRequest(prompt_token_ids=system + prompt(3, 101), max_new_tokens=2))
+    # Different lengths (below, at and across block multiples), four reusing replica A's system
+    # prompt, two sampled with a seed; the last eight start while the first eight decode.
+    requests = [request(prompt(n, seed=i), n=20 + i) for i, n in enumerate([1, 7, 16, 33, 64, 100, 150, 290])]
+    requests += [request(system + prompt(n, seed=200 + n), n=24) for n in (1, 9, 40, 77)]
+    requests += [request(prompt(n, seed=300 + n), n=18, seed=n) for n in (12, 200)]
+    requests += [request(prompt(n, seed=400 + n), n=30) for n in (3, 65)]
+
+    async def batched():
+        first = [asyncio.Event() for _ in range(8)]
+        early = [asyncio.create_task(run_stream(replica_b, r, e)) for r, e in zip(requests[:8], first)]
+        await asyncio.gather(*(e.wait() for e in first))
+        late = [asyncio.create_task(run_stream(replica_b, r)) for r in requests[8:]]
+        return await asyncio.gather(*early, *late)
+
+    results = asyncio.run(batched())
+    for i, (req, (tokens, logits, last)) in enumerate(zip(requests, results, strict=True)):
+        ref_tokens, ref_logits, _ = alone(solo, req)
+        assert tokens == ref_tokens, f"request {i} differs from its run alone"
+        diff = max(float(np.max(np.abs(a - b))) for a, b in zip(logits, ref_logits, strict=True))
+        assert diff <= TOLERANCE, f"request {i}: logits differ by {diff} from its run alone"
+        if req.sampling.greedy:
+            for row in ref_logits:
+                record_margin("batched vs alone (tiny, 16 streams)", row)
+        if req.prompt_token_ids[: 5 * B] == system:
+            assert last.usage.cached_prompt_tokens >= 5 * B, f"request {i} did not reuse replica A's blocks"
+    stats = replica_b.scheduler.stats
+    assert stats.max_decode_rows >= 12, f"at most {stats.max_decode_rows} rows decoded together"
+    assert replica_b.scheduler.running == 0 and replica_b.slots.free == replica_b.slots.max_batch
+
+
+def test_cancelled_stream_leaves_the_others_unchanged(tiny_model):
+    # A small unread bound: the victim cannot run to its end while the test is not reading it.
+    engine, solo = make_engine(tiny_model, max_unread_tokens=4), make_engine(tiny_model)
+    requests = [request(prompt(20 + 13 * i, seed=500 + i), n=40) for i in range(6)]
+
+    async def scenario():
+        victim = engine.generate(requests[2])
+        got = (await victim.__anext__()).token_ids
+        tasks = [asyncio.create_task(run_stream(engine, r)) for i, r in enumerate(requests) if i != 2]
+        while len(got) < 10:
+            got += (await victim.__anext__()).token_ids
+        await victim.aclose()
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(scenario())
+    others = [r for i, r in enumerate(requests) if i != 2]
+    for req, (tokens, _, last) in zip(others, results, strict=True):
+        assert tokens == alone(solo, req)[0]
+        assert last.usage.completion_tokens == 40
+    assert engine.scheduler.stats.aborted == 1
+    assert engine.scheduler.running == 0 and engine.slots.free == engine.slots.max_batch
+    engine.close()
+    solo.close()
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose lookups and/or writes wait until the test opens their gate: it holds
+    sequences in a known phase so that the cases below never depend on timing."""
+
+    def __init__(self, gate_reads: bool = False, gate_writes: bool = False) -> None:
+        super().__init__(64 << 20)
+        self.reads, self.writes = threading.Event(), threading.Event()
+        if not gate_reads:
+            self.reads.set()
+        if not gate_writes:
+            self.writes.set()
+        self.writes_waiting = 0
+
+    def get_many(self, keys):
+        assert self.reads.wait(30), "read gate never opened"
+        return super().get_many(keys)
+
+    def put_many(self, items):
+        self.writes_waiting += 1
+        assert self.writes.wait(30), "write gate never opened"
+        return super().put_many(items)
+
+
+async def wait_for(predicate, what: str, timeout_s: float = 20.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.005)
+
+
+def test_admission_full_worker_refuses_at_once_over_grpc(tiny_model):
+    """--max-batch 2 --max-queued 1: the 4th concurrent call gets RESOURCE_EXHAUSTED and the first three complete."""
+    store = GatedStore(gate_reads=True)
+    engine = make_engine(tiny_model, store, max_batch=2, max_queued=1)
+
+    async def scenario():
+        server = grpc.aio.server()
+        pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GeneratorStub(channel)
+
+                async def call(i):
+                    req = pb.GenerateRequest(prompt_token_ids=prompt(30, 600 + i), max_new_tokens=12, ignore_eos=True)
+                    return [t async for m in stub.Generate(req, timeout=60) for t in m.token_ids]
+
+                calls = [asyncio.create_task(call(i)) for i in range(3)]
+                await wait_for(lambda: engine.scheduler.running == 2 and engine.scheduler.queued == 1, "2 running, 1 queued")
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(3)
+                assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "--max-batch 2" in refused.value.details() and "--max-queued 1" in refused.value.details()
+                store.reads.set()
+                return await asyncio.gather(*calls)
+        finally:
+            await server.stop(None)
+
+    results = asyncio.run(scenario())
+    assert [len(r) for r in results] == [12, 12, 12]
+    assert engine.scheduler.stats.rejected == 1
+    engine.close()
+
+
+def test_overloaded_is_raised_before_any_work(tiny_model):
+    engine = make_engine(tiny_model, GatedStore(gate_reads=True), max_batch=1, max_queued=0)
+
+    async def scenario():
+        held = engine.generate(request(prompt(3 * B, 1)))
+        task = asyncio.ensure_future(held.__anext__())
+        await wait_for(lambda: engine.scheduler.running == 1, "one running")
+        with pytest.raises(Overloaded, match="1 sequences running"):
+            await engine.generate(request(prompt(10, 2))).__anext__()
+        engine.store.reads.set()
+        await task
+        await held.aclose()
+
+    asyncio.run(scenario())
+    engine.close()
+
+
+def test_a_slow_reader_pauses_its_sequence_instead_of_buffering(tiny_model):
+    bound = 4
+    engine = make_engine(tiny_model, max_unread_tokens=bound)
+
+    async def scenario():
+        stream = engine.generate(request(prompt(12, 3), n=300))
+        received = len((await stream.__anext__()).token_ids)
+        seq = engine.scheduler.active[0]
+        await wait_for(lambda: seq.paused and len(seq.outbox) >= bound, "the sequence to pause")
+        # Paused at the bound; nothing more is made while the client does not read.
+        assert len(seq.outbox) == bound and seq.generated == received + bound
+        await asyncio.sleep(0)
+        async for chunk in stream:
+            received += len(chunk.token_ids)
+            assert len(chunk.token_ids) <= bound
+        return received
+
+    assert asyncio.run(scenario()) == 300
+    engine.close()
+
+
+def test_publish_copies_blocks_before_the_slot_is_reused(tiny_model):
+    """Publishes are held until two more requests have used the only slot: the stored blocks must
+    still be the first prompt's K/V, not whatever the slot held when the write ran."""
+    store = GatedStore(gate_writes=True)
+    engine = make_engine(tiny_model, store, max_batch=1)
+    first = prompt(4 * B + 5, seed=7)
+    hashes = engine.prefix.hashes(engine.namespace(""), first)
+
+    def run(ids):
+        return asyncio.run(run_stream(engine, request(ids, n=8)))
+
+    reference = run(first)
+    run(prompt(6 * B, seed=8))
+    run(prompt(5 * B + 1, seed=9))
+    assert store.writes_waiting >= 1 and all(store.get(block_key(h)) is None for h in hashes)
+    store.writes.set()
+    asyncio.run(engine.wait_for_publishes())
+
+    cold = make_engine(tiny_model)
+    slot = cold.slots.acquire(len(first))
+    cold.slots.begin(slot, [], 0)
+    cold.slots.prefill(slot, first)
+    truth = cold.slots.canonical(slot, 0, 4 * B)
+    for i, h in enumerate(hashes):
+        value = store.get(block_key(h))
+        assert value is not None, f"block {i} was not published"
+        stored = decode(value, Expected(ValueKind.PREFIX_BLOCK, h, engine.session.kv_dtype,
+                                        engine.prefix.geometry.block_shape(B)))
+        np.testing.assert_array_equal(stored, truth[:, :, :, i * B : (i + 1) * B])
+    # And a request that reuses them answers as the cold run did.
+    again_tokens, _, last = run(first)
+    assert last.usage.cached_prompt_tokens == 4 * B and again_tokens == reference[0]
+    engine.close()
+    cold.close()
+
+
+def test_lookups_never_wait_behind_publishes(tiny_model):
+    """Writes held with more publishes pending than there are store threads: a new request's
+    lookup still runs and it completes."""
+    store = GatedStore(gate_writes=True)
+    engine = make_engine(tiny_model, store, store_write_threads=2, store_read_threads=2)
+
+    async def scenario():
+        for i in range(6):
+            await run_stream(engine, request(prompt(3 * B, seed=40 + i), n=2))
+        assert store.writes_waiting == 2  # both write threads are stuck, four publishes queued behind them
+        tokens, _, last = await run_stream(engine, request(prompt(3 * B, seed=99), n=5))
+        assert len(tokens) == 5 and last.usage.cached_prompt_tokens == 0
+        store.writes.set()
+        await engine.wait_for_publishes()
+
+    asyncio.run(scenario())
+    engine.close()
+
+
+def test_phases_of_a_sequence(tiny_model):
+    store = GatedStore(gate_reads=True)
+    engine = make_engine(tiny_model, store, max_batch=1)
+
+    async def scenario():
+        first = asyncio.ensure_future(run_stream(engine, request(prompt(40, 1), n=6)))
+        second = asyncio.ensure_future(run_stream(engine, request(prompt(40, 2), n=6)))
+        await wait_for(lambda: engine.scheduler.running == 1 and engine.scheduler.queued == 1, "one fetching, one queued")
+        assert engine.scheduler.active[0].phase is Phase.FETCHING
+        store.reads.set()
+        return await first, await second
+
+    (a, _, _), (b, _, _) = asyncio.run(scenario())
+    assert len(a) == len(b) == 6
+    engine.close()
