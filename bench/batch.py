@@ -232,16 +232,18 @@ def main() -> int:
                      ("onnxruntime-genai", theirs.tokens_per_s, theirs.ttft_ms(50), theirs.ttft_ms(99))])
         print(f"\nmixed: kvshare / GenAI tokens/s {ours.tokens_per_s / theirs.tokens_per_s:.2f}x")
 
-        gap_rows = gap_table(wide.target, model, rng, gap_prompt, new)
+        gap_within = gap_table(wide.target, model, rng, gap_prompt, new)
     if args.plot or not args.smoke:
         plot(rows, args.plot or DEFAULT_PLOT, title)
         print(f"\nplot: {args.plot or DEFAULT_PLOT}")
-    return 0 if same and gap_rows else 1
+    # A smoke run checks that everything runs and agrees with GenAI; its gaps are not meaningful.
+    return 0 if same and (gap_within or args.smoke) else 1
 
 
 def gap_table(target: str, model: BenchModel, rng: np.random.Generator, long_prompt: int, new: int) -> bool:
     """16 streams decode; in one run a ``long_prompt``-token request arrives once they all have
-    started. Compares their token gaps while it prefills with a run where nothing arrives."""
+    started. Compares their token gaps while it prefills with a run where nothing arrives; True
+    when the longest gap is within 2 x (quiet median gap + one prefill chunk)."""
     streams = ROWS
     decode_tokens = 3 * new
     prompts = prompts_for(model, rng, streams, 64)
@@ -261,11 +263,15 @@ def gap_table(target: str, model: BenchModel, rng: np.random.Generator, long_pro
                 ("case", "gaps", "p50 ms", "p99 ms", "longest ms"),
                 [("nothing arrives", *gap_summary(quiet_gaps)),
                  (f"{long_prompt}-token prompt arrives", *gap_summary(busy_gaps))])
+    if not len(busy_gaps):
+        print("\ngap: not measured: no stream received separate tokens while the long prompt prefilled "
+              "(expected on the tiny smoke model, whose streams finish in a message or two)")
+        return False
     longest = gap_summary(busy_gaps)[3]
     print(f"\ngap: longest {longest:.1f} ms against the bound 2 x (quiet p50 {quiet_p50:.1f} ms + one "
           f"256-token prefill {chunk_ms:.1f} ms) = {limit:.1f} ms: {'within' if longest <= limit else 'OVER'}; "
           f"the long prompt's TTFT {long_request.ttft * 1e3:.0f} ms")
-    return len(busy_gaps) > 0 or quiet.streams[0].arrivals[-1] < long_request.sent
+    return longest <= limit
 
 
 if __name__ == "__main__":

@@ -208,7 +208,7 @@ def test_overloaded_is_raised_before_any_work(tiny_model):
         held = engine.generate(request(prompt(3 * B, 1)))
         task = asyncio.ensure_future(held.__anext__())
         await wait_for(lambda: engine.scheduler.running == 1, "one running")
-        with pytest.raises(Overloaded, match="1 sequences running"):
+        with pytest.raises(Overloaded, match="1 running"):
             await engine.generate(request(prompt(10, 2))).__anext__()
         engine.store.reads.set()
         await task

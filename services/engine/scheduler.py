@@ -131,7 +131,7 @@ class Scheduler:
             else:
                 self.stats.rejected += 1
                 raise Overloaded(
-                    f"the worker is full: {len(self._active)} sequences running (--max-batch "
+                    f"the worker is full: {len(self._active)} running (--max-batch "
                     f"{self.options.max_batch}) and {len(self._queue)} queued (--max-queued "
                     f"{self.options.max_queued}); retry later or on another replica")
             self.stats.admitted += 1
@@ -273,7 +273,11 @@ class Scheduler:
             tokens[greedy] = np.argmax(logits[greedy], axis=1)
         for i, seq in enumerate(seqs):
             if not seq.sampler.config.greedy:
-                tokens[i] = seq.sampler(logits[i])
+                try:
+                    tokens[i] = seq.sampler(logits[i])
+                except ValueError as exc:  # e.g. non-finite logits: this row fails, the batch goes on
+                    self._fail_all([seq], exc)
+                    continue
             if seq.return_logits:
                 seq.logits.append(logits[i].copy())
             self._emit(seq, int(tokens[i]))
@@ -331,8 +335,12 @@ class Scheduler:
                 if self._closed:
                     return
                 plan = self.schedule()
-            if not plan.empty:
+            try:
                 self.execute(plan)
+            except Exception as exc:  # noqa: BLE001 - a bug here must fail its sequences, never stop the worker
+                log.exception("scheduler step failed")
+                self._fail_all([*plan.decode, *(seq for seq, _ in plan.prefill)], exc)
+                self._deliver()
 
 
 def _set_ready(seqs: list[Sequence]) -> None:
