@@ -309,3 +309,33 @@ def test_phases_of_a_sequence(tiny_model):
     (a, _, _), (b, _, _) = asyncio.run(scenario())
     assert len(a) == len(b) == 6
     engine.close()
+
+
+def test_a_client_that_stops_reading_loses_its_slot(tiny_model):
+    engine = make_engine(tiny_model, max_batch=1, max_unread_tokens=2, max_paused_s=0.2)
+
+    async def scenario():
+        stalled = engine.generate(request(prompt(12, 5), n=300))
+        await stalled.__anext__()
+        seq = engine.scheduler.active[0]
+        await wait_for(lambda: seq.done, "the paused sequence to be ended")
+        with pytest.raises(Overloaded, match="stopped reading"):
+            async for _ in stalled:
+                pass
+        tokens, _, _ = await run_stream(engine, request(prompt(12, 6), n=5))  # the slot is free again
+        return tokens
+
+    assert len(asyncio.run(scenario())) == 5
+    engine.close()
+
+
+def test_settings_out_of_range_refuse_to_start(tiny_model):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tiny_model),
+                           "--max-prefill-tokens-per-step", "0", "--max-unread-tokens", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "--max-prefill-tokens-per-step must be at least 1, got 0" in proc.stderr
+    assert "--max-unread-tokens must be at least 1, got 0" in proc.stderr

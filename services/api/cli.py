@@ -23,6 +23,10 @@ def _serve(args: argparse.Namespace) -> int:
     if settings.model is None:
         print("kvshare serve: --model DIR (or KVSHARE_MODEL) is required", file=sys.stderr)
         return 2
+    for problem in settings.problems():
+        print(f"kvshare serve: {problem}", file=sys.stderr)
+    if settings.problems():
+        return 2
     try:
         asyncio.run(serve(settings))
     except ModelLoadError as exc:

@@ -35,19 +35,25 @@ class Settings:
     breaker_max_backoff_ms: float = field(default=30000.0, metadata={"help": "Longest pause between probes of a failing store."})
     execution_provider: str = field(default="auto", metadata={"help": "auto (CUDA when onnxruntime-gpu and a GPU are present, else CPU), cpu or cuda.", "choices": ["auto", "cpu", "cuda"]})
     intra_op_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads per run; 0 lets ONNX Runtime choose (one per physical core)."})
-    max_batch: int = field(default=0, metadata={"help": "Sequences holding a slot at once (rows of the batched decode step; graphs without a shared GQA past/present buffer, encoder-decoders and CUDA run each row batch 1); 0 derives it from --kv-cache-bytes (1 to 64)."})
-    kv_cache_bytes: int = field(default=2 << 30, metadata={"help": "K/V memory for the slots when --max-batch is 0: each slot can hold a whole context."})
-    max_queued: int = field(default=128, metadata={"help": "Requests waiting for a slot; past this a new call gets RESOURCE_EXHAUSTED at once."})
-    max_prefill_tokens_per_step: int = field(default=256, metadata={"help": "Prompt tokens prefilled between two decode steps: bounds the gap between tokens of running streams while long prompts arrive."})
-    max_unread_tokens: int = field(default=256, metadata={"help": "A stream whose client has not read this many tokens pauses (keeps its slot) until it reads."})
-    store_read_threads: int = field(default=4, metadata={"help": "Threads for store lookups (never shared with publishes)."})
-    store_write_threads: int = field(default=2, metadata={"help": "Threads for publishing blocks to the store."})
+    max_batch: int = field(default=0, metadata={"min": 0, "help": "Sequences holding a slot at once (rows of the batched decode step; graphs without a shared GQA past/present buffer, encoder-decoders and CUDA run each row batch 1); 0 derives it from --kv-cache-bytes (1 to 64)."})
+    kv_cache_bytes: int = field(default=2 << 30, metadata={"min": 1, "help": "K/V memory for the slots when --max-batch is 0: each slot can hold a whole context."})
+    max_queued: int = field(default=128, metadata={"min": 0, "help": "Requests waiting for a slot; past this a new call gets RESOURCE_EXHAUSTED at once."})
+    max_prefill_tokens_per_step: int = field(default=256, metadata={"min": 1, "help": "Prompt tokens prefilled between two decode steps: bounds the gap between tokens of running streams while long prompts arrive."})
+    max_unread_tokens: int = field(default=256, metadata={"min": 1, "help": "A stream whose client has not read this many tokens pauses (keeps its slot) until it reads."})
+    max_paused_s: float = field(default=30.0, metadata={"min": 0.001, "help": "A stream paused this long because its client stopped reading is ended with RESOURCE_EXHAUSTED, freeing its slot."})
+    store_read_threads: int = field(default=4, metadata={"min": 1, "help": "Threads for store lookups (never shared with publishes)."})
+    store_write_threads: int = field(default=2, metadata={"min": 1, "help": "Threads for publishing blocks to the store."})
     max_new_tokens_cap: int = field(default=4096, metadata={"help": "Largest max_new_tokens a request may ask for."})
     max_message_bytes: int = field(default=4 * 1024 * 1024, metadata={"help": "Largest gRPC request message; larger ones are refused with RESOURCE_EXHAUSTED."})
-    block_size: int = field(default=64, metadata={"help": "Tokens per shared cache block."})
+    block_size: int = field(default=64, metadata={"min": 1, "help": "Tokens per shared cache block."})
     not_serving_s: float = field(default=2.0, metadata={"help": "On SIGTERM, seconds to keep accepting calls while health reports NOT_SERVING, so balancers stop routing here first."})
     drain_s: float = field(default=20.0, metadata={"help": "On SIGTERM, seconds in-flight streams get to finish before the server stops."})
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
+
+    def problems(self) -> list[str]:
+        """Settings outside their allowed range, each as a message naming the flag (empty: fine)."""
+        return [f"--{f.name.replace('_', '-')} must be at least {f.metadata['min']}, got {getattr(self, f.name)}"
+                for f in fields(self) if "min" in f.metadata and getattr(self, f.name) < f.metadata["min"]]
 
     def apply_env(self, environ: dict[str, str] | None = None) -> Settings:
         """Overrides fields from ``KVSHARE_*`` variables; returns self."""

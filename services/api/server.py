@@ -41,6 +41,7 @@ def load_engine(settings: Settings) -> Engine:
         max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, max_batch=settings.max_batch,
         kv_cache_bytes=settings.kv_cache_bytes, max_queued=settings.max_queued,
         max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step, max_unread_tokens=settings.max_unread_tokens,
+        max_paused_s=settings.max_paused_s,
         store_read_threads=settings.store_read_threads, store_write_threads=settings.store_write_threads,
         max_value_bytes=settings.cache_max_value_bytes,
     )

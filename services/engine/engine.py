@@ -77,6 +77,9 @@ class EngineOptions:
     """Prompt tokens prefilled between two decode steps (bounds the gap between tokens)."""
     max_unread_tokens: int = 256
     """A stream whose client has not read this many tokens pauses until it does."""
+    max_paused_s: float = 30.0
+    """A stream paused this long is ended (RESOURCE_EXHAUSTED), so a client that stops reading
+    cannot hold a slot forever."""
     store_read_threads: int = 4
     """Concurrent store lookups; never shared with publishes."""
     store_write_threads: int = 2
@@ -121,7 +124,8 @@ class Engine:
         self.slots = open_slots(session, max_batch, spec.context_length)
         self.scheduler = Scheduler(
             self.slots,
-            SchedulerOptions(max_batch, options.max_queued, options.max_prefill_tokens_per_step, options.max_unread_tokens),
+            SchedulerOptions(max_batch, options.max_queued, options.max_prefill_tokens_per_step, options.max_unread_tokens,
+                             options.max_paused_s),
             self, self._read_pool,
         )
         log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", max_batch,

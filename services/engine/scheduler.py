@@ -45,6 +45,8 @@ class SchedulerOptions:
     """Prompt tokens prefilled per step, across all prefilling sequences."""
     max_unread_tokens: int
     """A sequence whose consumer has this many tokens still to read sits out decode steps."""
+    max_paused_s: float = 30.0
+    """A sequence paused this long (its client stopped reading) is ended, freeing its slot."""
 
 
 @dataclass(slots=True)
@@ -208,13 +210,18 @@ class Scheduler:
         for seq in [s for s in self._active if s.aborted]:
             self.stats.aborted += 1
             self._finish(seq)
+        for seq in [s for s in self._active if s.paused and self._paused_too_long(s)]:
+            self._fail(seq, Overloaded(
+                f"stream paused for {self.options.max_paused_s:g} s with {len(seq.outbox)} tokens unread "
+                "(--max-paused-s): the client stopped reading; its slot was given to others"))
+            self._touched[id(seq)] = seq
         while self._queue and len(self._active) < self.options.max_batch:
             self._start(self._queue.popleft())
         plan = StepPlan()
         budget = self.options.max_prefill_tokens_per_step
         for seq in self._active:
             if seq.phase is Phase.DECODING:
-                seq.paused = len(seq.outbox) >= self.options.max_unread_tokens
+                self._set_paused(seq, len(seq.outbox) >= self.options.max_unread_tokens)
                 if not seq.paused:
                     plan.decode.append(seq)
             elif seq.phase is Phase.PREFILLING and budget > 0:
@@ -296,7 +303,7 @@ class Scheduler:
         if reason is None:
             seq.next_token = token
             seq.phase = Phase.DECODING
-            seq.paused = len(seq.outbox) >= self.options.max_unread_tokens
+            self._set_paused(seq, len(seq.outbox) >= self.options.max_unread_tokens)
             return
         with self._cond:
             self.stats.finished += 1
@@ -320,18 +327,35 @@ class Scheduler:
             except RuntimeError:  # that loop is closed: nobody is waiting any more
                 pass
 
+    @staticmethod
+    def _set_paused(seq: Sequence, paused: bool) -> None:
+        if paused and not seq.paused:
+            seq.paused_since = time.monotonic()
+        seq.paused = paused
+
+    def _paused_too_long(self, seq: Sequence) -> bool:
+        return time.monotonic() - seq.paused_since >= self.options.max_paused_s
+
     def _has_work(self) -> bool:
         return any(
             s.aborted or s.phase is Phase.PREFILLING
             or (s.phase is Phase.DECODING and len(s.outbox) < self.options.max_unread_tokens)
+            or (s.paused and self._paused_too_long(s))
             for s in self._active
         ) or (bool(self._queue) and len(self._active) < self.options.max_batch)
+
+    def _idle_timeout(self) -> float | None:
+        """Seconds until the earliest paused sequence runs out of patience (None: nobody paused)."""
+        paused = [s.paused_since for s in self._active if s.paused]
+        if not paused:
+            return None
+        return max(0.0, min(paused) + self.options.max_paused_s - time.monotonic())
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 while not self._closed and not self._has_work():
-                    self._cond.wait()
+                    self._cond.wait(self._idle_timeout())
                 if self._closed:
                     return
                 plan = self.schedule()

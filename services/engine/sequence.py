@@ -72,6 +72,8 @@ class Sequence:
     aborted: bool = False
     paused: bool = False
     """Skipped by decode steps because the consumer has ``max_unread_tokens`` tokens still to read."""
+    paused_since: float = 0.0
+    """time.monotonic() when the sequence last paused."""
     usage: Usage = field(default_factory=Usage)
     timings: Timings = field(default_factory=Timings)
     outbox: deque[OutItem] = field(default_factory=deque)
