@@ -17,6 +17,7 @@ done. Store lookups run on the engine's read threads (the ``Hooks``), never on t
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -179,7 +180,7 @@ class Scheduler:
             with self._cond:
                 self._fail(seq, exc)
                 self._cond.notify()
-            seq.loop.call_soon_threadsafe(_set_ready, [seq])
+            _wake_consumers([seq])
             return
         with self._cond:
             if seq.phase is Phase.FETCHING:
@@ -318,14 +319,7 @@ class Scheduler:
     def _deliver(self) -> None:
         """Wakes the consumers of every sequence with new output: one call per event loop."""
         touched, self._touched = list(self._touched.values()), {}
-        by_loop: dict[int, tuple[object, list[Sequence]]] = {}
-        for seq in touched:
-            by_loop.setdefault(id(seq.loop), (seq.loop, []))[1].append(seq)
-        for loop, seqs in by_loop.values():
-            try:
-                loop.call_soon_threadsafe(_set_ready, seqs)
-            except RuntimeError:  # that loop is closed: nobody is waiting any more
-                pass
+        _wake_consumers(touched)
 
     @staticmethod
     def _set_paused(seq: Sequence, paused: bool) -> None:
@@ -370,4 +364,17 @@ class Scheduler:
 def _set_ready(seqs: list[Sequence]) -> None:
     for seq in seqs:
         seq.ready.set()
+
+
+def _wake_consumers(seqs: list[Sequence]) -> None:
+    """Sets each sequence's ``ready`` event on its own event loop: one call per loop, since each
+    call_soon_threadsafe writes to that loop's wake-up pipe."""
+    by_loop: dict[int, tuple[asyncio.AbstractEventLoop, list[Sequence]]] = {}
+    for seq in seqs:
+        by_loop.setdefault(id(seq.loop), (seq.loop, []))[1].append(seq)
+    for loop, group in by_loop.values():
+        try:
+            loop.call_soon_threadsafe(_set_ready, group)
+        except RuntimeError:  # that loop is closed: nobody is waiting any more
+            pass
 
