@@ -9,7 +9,7 @@ import threading
 import grpc
 import numpy as np
 import pytest
-from conftest import collect, record_margin
+from conftest import GENAI_FIXTURES, collect, record_margin
 
 from cachestore.codec import Expected, ValueKind, decode
 from cachestore.factory import StoreOptions, open_store
@@ -24,6 +24,7 @@ from services.engine.generation import CacheControl, GenerationRequest
 from services.engine.sampling import SamplingConfig
 from services.engine.sequence import Phase
 from services.errors import Overloaded
+from services.runtime.kv_layout import KVLayout
 from services.runtime.slots import SharedSlots
 
 B = 16
@@ -110,6 +111,35 @@ def test_sixteen_concurrent_streams_equal_each_stream_alone(tiny_pair):
     stats = replica_b.scheduler.stats
     assert stats.max_decode_rows >= 12, f"at most {stats.max_decode_rows} rows decoded together"
     assert replica_b.scheduler.running == 0 and replica_b.slots.free == replica_b.slots.max_batch
+
+
+@pytest.mark.parametrize("folder", ["tiny-combined", "genai-builder/llama-fp32", "genai-builder/llama-int4"])
+def test_other_graphs_batch_correctly(model_dirs, folder):
+    """GenAI's own builder folders (fp32, int4 MatMulNBits) batch on shared slots; the combined
+    layout runs each row batch 1 in the same scheduler. Either way each stream equals its run alone."""
+    if folder == "tiny-combined":
+        path, batched = model_dirs["tiny", KVLayout.COMBINED], False
+    else:
+        path, batched = GENAI_FIXTURES / folder.split("/")[1], True
+    engine, solo = make_engine(path), make_engine(path)
+    assert engine.slots.batched is batched
+    vocab = engine.spec.vocab_size
+    requests = [request(np.random.default_rng(700 + i).integers(3, vocab, size=n).tolist(), n=16)
+                for i, n in enumerate([3, 17, 40, 70, 5, 33])]
+
+    async def together():
+        return await asyncio.gather(*(run_stream(engine, r) for r in requests))
+
+    for req, (tokens, logits, _) in zip(requests, asyncio.run(together()), strict=True):
+        ref_tokens, ref_logits, _ = alone(solo, req)
+        assert tokens == ref_tokens
+        assert max(float(np.max(np.abs(a - b))) for a, b in zip(logits, ref_logits, strict=True)) <= TOLERANCE
+        for row in ref_logits:
+            record_margin(f"batched vs alone ({folder})", row)
+    if batched:
+        assert engine.scheduler.stats.max_decode_rows >= 4
+    engine.close()
+    solo.close()
 
 
 def test_cancelled_stream_leaves_the_others_unchanged(tiny_model):
