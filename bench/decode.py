@@ -4,7 +4,8 @@ both produced the same tokens.
 
 kvshare's rate comes from the worker's own timings, (completion_tokens - 1) / (total - TTFT); GenAI's
 from timing its generate_next_token loop after the first token, in this process. A third row times
-kvshare's ONNX step loop in this process too, which separates the engine from the server path.
+the worker's model path (its slot bank) in this process too, which separates the runtime from the
+server path.
 
     .venv/bin/python -m bench.decode [--smoke]
 """
@@ -32,6 +33,7 @@ from kvshare.v1 import generator_pb2 as pb
 from services.api.client import complete
 from services.runtime.model_spec import load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
+from services.runtime.slots import SlotBank, open_slots
 
 
 def genai_folder(model: BenchModel) -> Path:
@@ -71,15 +73,19 @@ def kvshare_run(stub, prompt: list[int], new_tokens: int) -> tuple[float, list[i
     return (done.last.usage.completion_tokens - 1) / ((t.total_ms - t.time_to_first_token_ms) / 1e3), done.token_ids
 
 
-def session_run(session: DecoderSession, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
-    """kvshare's ONNX step loop alone (no server, no gRPC): separates the engine from the transport."""
-    logits, cache = session.run(prompt, session.empty_cache(len(prompt) + new_tokens))
-    tokens = [int(np.argmax(logits))]
-    t0 = time.perf_counter()
-    while len(tokens) < new_tokens:
-        logits, cache = session.run([tokens[-1]], cache)
-        tokens.append(int(np.argmax(logits)))
-    return (len(tokens) - 1) / (time.perf_counter() - t0), tokens
+def slots_run(slots: SlotBank, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    """The worker's own model path (its slot bank: prefill, then one-row decode steps) alone, with no
+    scheduler, server or gRPC: separates the runtime from the transport."""
+    slot = slots.acquire(len(prompt) + new_tokens)
+    try:
+        slots.begin(slot, [], 0)
+        tokens = [int(np.argmax(slots.prefill(slot, prompt)))]
+        t0 = time.perf_counter()
+        while len(tokens) < new_tokens:
+            tokens.append(int(np.argmax(slots.decode([slot], [tokens[-1]])[0])))
+        return (len(tokens) - 1) / (time.perf_counter() - t0), tokens
+    finally:
+        slots.release(slot)
 
 
 def main() -> int:
@@ -90,7 +96,8 @@ def main() -> int:
     prompt_tokens, new_tokens, rounds = (64, 16, 2) if args.smoke else (1024, 128, 7)
     prompt = model.random_ids(np.random.default_rng(4), prompt_tokens)
     og_model = og.Model(str(genai_folder(model)))
-    session = DecoderSession(load_model_spec(model.folder), "auto", INTRA_OP_THREADS)
+    spec = load_model_spec(model.folder)
+    slots = open_slots(DecoderSession(spec, "auto", INTRA_OP_THREADS), 1, spec.context_length)
     rates: dict[str, list[float]] = {"kvshare worker (gRPC stream)": [], "kvshare step loop (in-process)": [],
                                      "onnxruntime-genai": []}
     with fleet(model, replicas=1) as f:
@@ -99,7 +106,7 @@ def main() -> int:
         for _ in range(rounds):
             rate, served = kvshare_run(stub, prompt, new_tokens)
             rates["kvshare worker (gRPC stream)"].append(rate)
-            rate, looped = session_run(session, prompt, new_tokens)
+            rate, looped = slots_run(slots, prompt, new_tokens)
             rates["kvshare step loop (in-process)"].append(rate)
             rate, reference = genai_run(og_model, prompt, new_tokens)
             rates["onnxruntime-genai"].append(rate)

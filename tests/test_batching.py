@@ -360,12 +360,16 @@ def test_a_client_that_stops_reading_loses_its_slot(tiny_model):
 
 
 def test_settings_out_of_range_refuse_to_start(tiny_model):
+    import os
     import subprocess
     import sys
 
     proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tiny_model),
-                           "--max-prefill-tokens-per-step", "0", "--max-unread-tokens", "0"],
-                          capture_output=True, text=True, timeout=60)
+                           "--max-prefill-tokens-per-step", "0", "--max-unread-tokens", "0", "--max-paused-s", "inf"],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "KVSHARE_BLOCK_SIZE": "0"})
     assert proc.returncode == 2
-    assert "--max-prefill-tokens-per-step must be at least 1, got 0" in proc.stderr
-    assert "--max-unread-tokens must be at least 1, got 0" in proc.stderr
+    lines = proc.stderr.splitlines()
+    for flag, bound, got in [("--max-prefill-tokens-per-step", "at least 1", "0"), ("--max-unread-tokens", "at least 1", "0"),
+                             ("--max-paused-s", "between 0.001 and 86400.0", "inf"), ("--block-size", "at least 1", "0")]:
+        assert any(line.startswith(f"kvshare serve: {flag} (env KVSHARE_") and bound in line and line.endswith(f"got {got}")
+                   for line in lines), (flag, proc.stderr)

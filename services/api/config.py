@@ -7,6 +7,7 @@ Precedence: a flag given on the command line, else the environment variable ``KV
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -40,7 +41,7 @@ class Settings:
     max_queued: int = field(default=128, metadata={"min": 0, "help": "Requests waiting for a slot; past this a new call gets RESOURCE_EXHAUSTED at once."})
     max_prefill_tokens_per_step: int = field(default=256, metadata={"min": 1, "help": "Prompt tokens prefilled between two decode steps: bounds the gap between tokens of running streams while long prompts arrive."})
     max_unread_tokens: int = field(default=256, metadata={"min": 1, "help": "A stream whose client has not read this many tokens pauses (keeps its slot) until it reads."})
-    max_paused_s: float = field(default=30.0, metadata={"min": 0.001, "help": "A stream paused this long because its client stopped reading is ended with RESOURCE_EXHAUSTED, freeing its slot."})
+    max_paused_s: float = field(default=30.0, metadata={"min": 0.001, "max": 86400.0, "help": "A stream paused this long because its client stopped reading is ended with RESOURCE_EXHAUSTED, freeing its slot."})
     store_read_threads: int = field(default=4, metadata={"min": 1, "help": "Threads for store lookups (never shared with publishes)."})
     store_write_threads: int = field(default=2, metadata={"min": 1, "help": "Threads for publishing blocks to the store."})
     max_new_tokens_cap: int = field(default=4096, metadata={"help": "Largest max_new_tokens a request may ask for."})
@@ -51,9 +52,17 @@ class Settings:
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
 
     def problems(self) -> list[str]:
-        """Settings outside their allowed range, each as a message naming the flag (empty: fine)."""
-        return [f"--{f.name.replace('_', '-')} must be at least {f.metadata['min']}, got {getattr(self, f.name)}"
-                for f in fields(self) if "min" in f.metadata and getattr(self, f.name) < f.metadata["min"]]
+        """Settings outside their allowed range, each as a message naming the flag and variable
+        (empty: all fine). NaN and infinities are out of every range."""
+        found = []
+        for f in fields(self):
+            low, high = f.metadata.get("min"), f.metadata.get("max", math.inf)
+            value = getattr(self, f.name)
+            if low is not None and not (math.isfinite(value) and low <= value <= high):
+                bound = f"at least {low}" if high == math.inf else f"between {low} and {high}"
+                found.append(f"--{f.name.replace('_', '-')} (env {ENV_PREFIX}{f.name.upper()}) must be a finite "
+                             f"number {bound}, got {value}")
+        return found
 
     def apply_env(self, environ: dict[str, str] | None = None) -> Settings:
         """Overrides fields from ``KVSHARE_*`` variables; returns self."""

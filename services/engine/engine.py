@@ -351,9 +351,14 @@ class Engine:
         tokens: list[int] = []
         delta, reason = "", None
         logits = seq.logits[seq.usage.completion_tokens : seq.usage.completion_tokens + len(items)] if seq.return_logits else []
-        for item in items:
+        for i, item in enumerate(items):
             if isinstance(item, BaseException):
-                raise item
+                if not tokens:
+                    raise item
+                # Send the tokens made before the error first; the error ends the stream next.
+                seq.outbox.extendleft(reversed(items[i:]))
+                seq.ready.set()
+                break
             token, reason = item
             tokens.append(token)
             seq.usage.completion_tokens += 1

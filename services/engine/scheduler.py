@@ -211,6 +211,9 @@ class Scheduler:
         for seq in [s for s in self._active if s.aborted]:
             self.stats.aborted += 1
             self._finish(seq)
+        for seq in self._active:
+            if seq.phase is Phase.DECODING:  # a client may have read since the sequence paused
+                self._set_paused(seq, len(seq.outbox) >= self.options.max_unread_tokens)
         for seq in [s for s in self._active if s.paused and self._paused_too_long(s)]:
             self._fail(seq, Overloaded(
                 f"stream paused for {self.options.max_paused_s:g} s with {len(seq.outbox)} tokens unread "
@@ -343,7 +346,7 @@ class Scheduler:
         paused = [s.paused_since for s in self._active if s.paused]
         if not paused:
             return None
-        return max(0.0, min(paused) + self.options.max_paused_s - time.monotonic())
+        return min(threading.TIMEOUT_MAX, max(0.0, min(paused) + self.options.max_paused_s - time.monotonic()))
 
     def _run(self) -> None:
         while True:
