@@ -129,7 +129,8 @@ class Engine:
             self, self._read_pool,
         )
         log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", max_batch,
-                 "one batched decode run per step" if self.slots.batched else "batch-1 runs: this graph has no shared GQA buffer",
+                 "one batched decode run per step" if self.slots.batched
+                 else "each row runs batch 1: no shared GQA past/present buffer in host memory for this graph",
                  options.max_queued, options.max_prefill_tokens_per_step)
 
     @classmethod
