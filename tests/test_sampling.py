@@ -31,3 +31,29 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 def test_top_k_limits_the_candidates():
     allowed = set(np.argsort(-LOGITS)[:5].tolist())
     assert set(draws(SamplingConfig(temperature=5.0, top_k=5, seed=2), 500)) <= allowed
+
+
+def reference_sample(config: SamplingConfig, logits: np.ndarray, rng: np.random.Generator) -> int:
+    """The sampling rule written plainly: full lexicographic sort (descending logit, then id)."""
+    scaled = logits.astype(np.float64) / config.temperature
+    vocab = scaled.shape[0]
+    k = config.top_k if 0 < config.top_k < vocab else vocab
+    order = np.lexsort((np.arange(vocab), -scaled))[:k]
+    probs = np.exp(scaled[order] - scaled[order[0]])
+    probs /= probs.sum()
+    if config.top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(probs), config.top_p) + 1)
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    return int(order[rng.choice(order.shape[0], p=probs)])
+
+
+def test_sampler_equals_the_plain_rule_including_ties():
+    rng = np.random.default_rng(9)
+    for trial in range(40):
+        # Rounded logits make many exact ties, also at the top-k boundary.
+        logits = np.round(rng.standard_normal(800) * 3, 0 if trial % 2 else 3).astype(np.float32)
+        for config in [SamplingConfig(temperature=0.7, seed=trial), SamplingConfig(temperature=1.3, top_k=7, seed=trial),
+                       SamplingConfig(temperature=0.9, top_k=50, top_p=0.8, seed=trial),
+                       SamplingConfig(temperature=1.0, top_p=0.5, seed=trial)]:
+            sampler, reference_rng = Sampler(config), np.random.default_rng(config.seed)
+            assert [sampler(logits) for _ in range(8)] == [reference_sample(config, logits, reference_rng) for _ in range(8)]

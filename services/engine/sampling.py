@@ -34,10 +34,7 @@ class Sampler:
         if self.config.greedy:
             return int(np.argmax(logits))
         scaled = logits.astype(np.float64) / self.config.temperature
-        vocab = scaled.shape[0]
-        k = self.config.top_k if 0 < self.config.top_k < vocab else vocab
-        # Candidates sorted by descending logit; ties broken by token id so the order is stable.
-        order = np.lexsort((np.arange(vocab), -scaled))[:k]
+        order = self._candidates(logits, scaled)
         probs = np.exp(scaled[order] - scaled[order[0]])
         probs /= probs.sum()
         if self.config.top_p < 1.0:
@@ -45,3 +42,37 @@ class Sampler:
             keep = int(np.searchsorted(np.cumsum(probs), self.config.top_p) + 1)
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         return int(order[self._rng.choice(order.shape[0], p=probs)])
+
+    def _candidates(self, logits: np.ndarray, scaled: np.ndarray) -> np.ndarray:
+        """Token ids by descending logit, ties broken by lower id, cut to top_k when set.
+
+        A full stable sort costs ~0.7 ms a row at a vocabulary of 8000, which added up to most of
+        a batched decode step when every row samples. With top_k the vocabulary is first narrowed
+        by a partition and only the candidates are sorted; without, one quicksort over unique
+        integer keys (the float32 logit's order-preserving integer, then the id) gives the same
+        order in ~0.15 ms."""
+        vocab = scaled.shape[0]
+        k = self.config.top_k if 0 < self.config.top_k < vocab else vocab
+        if k < vocab:
+            kth = np.partition(scaled, vocab - k)[vocab - k]
+            # Everything above the k-th value, then ties at it (lowest ids first) up to k.
+            pool = np.flatnonzero(scaled >= kth)
+            return pool[np.argsort(-scaled[pool], kind="stable")][:k]
+        if logits.dtype == np.float32 and vocab < _ID_SPAN:
+            return np.argsort(_descending_keys(logits))
+        return np.lexsort((np.arange(vocab), -scaled))
+
+
+_ID_BITS = 20
+_ID_SPAN = 1 << _ID_BITS
+
+
+def _descending_keys(logits: np.ndarray) -> np.ndarray:
+    """One unique int64 per token whose ascending order is descending logit, then ascending id.
+
+    A float32's bits read as an int32 grow with the value for positive floats and shrink for
+    negative ones; folding the sign makes the map monotonic (+0.0 and -0.0 both map to 0, as they
+    compare equal). Dividing by a positive temperature keeps this order and these ties."""
+    bits = logits.view(np.int32).astype(np.int64)
+    ordered = np.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+    return (-ordered << _ID_BITS) | np.arange(logits.shape[0], dtype=np.int64)
