@@ -79,6 +79,49 @@ def test_tiny_model_runs_on_shared_slots(tiny_pair):
     assert isinstance(tiny_pair[0].slots, SharedSlots)
 
 
+def test_one_decode_run_over_sixteen_rows_equals_each_row_alone(tiny_model):
+    """SharedSlots directly, no scheduler: 16 rows of different lengths in one run per step, a free
+    row and a row that joins mid-way inside the batch's range (both fed dummy tokens), against each
+    row decoded alone through the per-sequence cache."""
+    engine = make_engine(tiny_model, max_batch=18)
+    bank, session = engine.slots, engine.session
+    prompts = [prompt(n, seed=800 + n) for n in (1, 5, 16, 17, 31, 64, 65, 90, 120, 3, 44, 200, 7, 128, 150, 33)]
+    slots = [bank.acquire(400) for _ in range(len(prompts) + 2)]
+    free, late = slots.pop(3), slots.pop(8)  # row 3 stays free; row 9 prefills after 5 steps
+    bank.release(free)
+    late_prompt = prompt(50, seed=899)
+    rows = {id(s): ([], []) for s in [*slots, late]}
+    tokens = {}
+    for slot, ids in zip(slots, prompts, strict=True):
+        bank.begin(slot, [], 0)
+        logits = bank.prefill(slot, ids)
+        tokens[id(slot)] = int(np.argmax(logits))
+        rows[id(slot)][0].append(tokens[id(slot)])
+        rows[id(slot)][1].append(logits)
+    bank.begin(late, [], 0)
+    for step in range(12):
+        if step == 5:
+            logits = bank.prefill(late, late_prompt)
+            tokens[id(late)] = int(np.argmax(logits))
+            rows[id(late)][0].append(tokens[id(late)])
+            rows[id(late)][1].append(logits)
+        batch = slots + ([late] if step >= 5 else [])
+        out = bank.decode(batch, [tokens[id(s)] for s in batch])
+        for slot, logits in zip(batch, out, strict=True):
+            tokens[id(slot)] = int(np.argmax(logits))
+            rows[id(slot)][0].append(tokens[id(slot)])
+            rows[id(slot)][1].append(logits)
+    for slot, ids in [*zip(slots, prompts, strict=True), (late, late_prompt)]:
+        got, got_logits = rows[id(slot)]
+        logits, cache = session.run(ids, session.empty_cache(len(ids) + len(got)))
+        for i, token in enumerate(got):
+            assert float(np.max(np.abs(got_logits[i] - logits))) <= TOLERANCE
+            record_margin("one run over 16 rows vs alone (tiny)", logits)
+            assert token == int(np.argmax(logits))
+            logits, cache = session.run([token], cache)
+    engine.close()
+
+
 def test_sixteen_concurrent_streams_equal_each_stream_alone(tiny_pair):
     replica_a, replica_b, solo = tiny_pair
     system = prompt(5 * B, seed=100)
@@ -108,8 +151,10 @@ def test_sixteen_concurrent_streams_equal_each_stream_alone(tiny_pair):
                 record_margin("batched vs alone (tiny, 16 streams)", row)
         if req.prompt_token_ids[: 5 * B] == system:
             assert last.usage.cached_prompt_tokens >= 5 * B, f"request {i} did not reuse replica A's blocks"
+    # How many rows shared a step depends on timing; the exact batched run is checked at the slot
+    # level below. Here it is only evidence that the streams did share decode runs.
     stats = replica_b.scheduler.stats
-    assert stats.max_decode_rows >= 12, f"at most {stats.max_decode_rows} rows decoded together"
+    assert stats.decode_rows > stats.decode_steps, f"{stats.decode_rows} rows in {stats.decode_steps} decode runs"
     assert replica_b.scheduler.running == 0 and replica_b.slots.free == replica_b.slots.max_batch
 
 
@@ -137,7 +182,7 @@ def test_other_graphs_batch_correctly(model_dirs, folder):
         for row in ref_logits:
             record_margin(f"batched vs alone ({folder})", row)
     if batched:
-        assert engine.scheduler.stats.max_decode_rows >= 4
+        assert engine.scheduler.stats.decode_rows > engine.scheduler.stats.decode_steps
     engine.close()
     solo.close()
 
