@@ -26,3 +26,7 @@ class RequestOutOfRange(InvalidRequest):
 class Overloaded(KVShareError):
     """The worker cannot take the request now (every slot busy and the queue full, or shutting
     down); the message says what was full. Decided at once, before any work is done."""
+
+
+class StartupError(KVShareError):
+    """The worker cannot start as configured (its address is taken, a setting is unusable)."""

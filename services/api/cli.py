@@ -14,8 +14,9 @@ from services.runtime.kv_layout import KVLayout
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from cachestore.factory import StoreURLError
     from services.api.server import serve
-    from services.errors import ModelLoadError
+    from services.errors import ModelLoadError, StartupError
 
     settings = settings_from(args)
     logging.basicConfig(level=settings.log_level.upper(), stream=sys.stdout,
@@ -31,6 +32,9 @@ def _serve(args: argparse.Namespace) -> int:
         asyncio.run(serve(settings))
     except ModelLoadError as exc:
         print(f"kvshare serve: cannot load model: {exc}", file=sys.stderr)
+        return 2
+    except (StoreURLError, StartupError) as exc:
+        print(f"kvshare serve: {exc}", file=sys.stderr)
         return 2
     return 0
 

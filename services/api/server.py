@@ -17,6 +17,7 @@ from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.config import Settings
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
+from services.errors import StartupError
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,9 @@ async def serve(settings: Settings) -> None:
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
+            # gRPC sets SO_REUSEPORT by default: a second worker on a taken port would start and
+            # silently split the calls with the first. Refuse the port instead.
+            ("grpc.so_reuseport", 0),
         ]
     )
     pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine), server)
@@ -64,7 +68,12 @@ async def serve(settings: Settings) -> None:
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    try:
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    except RuntimeError as exc:  # gRPC's only signal that the bind failed
+        engine.close()
+        raise StartupError(f"cannot listen on {settings.host}:{settings.port}: the address is in use or not "
+                           "available here; pick another --port (0 picks a free one)") from exc
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
