@@ -270,3 +270,29 @@ def test_serve_refuses_a_folder_without_a_model(tmp_path, tiny_model):
     proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tmp_path), "--port", "0"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "model.onnx: not found" in proc.stderr
+
+
+def kvshare_generate(target: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.api.cli", "generate", "--target", target, *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+
+def test_generate_command_takes_the_sampling_and_cache_flags(worker):
+    sampled = ["--temperature", "1.0", "--top-k", "40", "--top-p", "0.9", "--seed", "7", "--ignore-eos",
+               "--max-new-tokens", "20", "--salt", "tenant-a", PROMPT]
+    first, again = kvshare_generate(worker.target, *sampled), kvshare_generate(worker.target, *sampled)
+    assert first.returncode == 0 and first.stdout == again.stdout and "completion_tokens=20" in first.stderr
+    greedy = kvshare_generate(worker.target, "--ignore-eos", "--max-new-tokens", "30", PROMPT)
+    stop = greedy.stdout.strip()[4:7]
+    stopped = kvshare_generate(worker.target, "--ignore-eos", "--max-new-tokens", "30", "--stop", stop, PROMPT)
+    assert "finish=FINISH_REASON_STOP" in stopped.stderr and stop not in stopped.stdout
+    refused = kvshare_generate(worker.target, "--encoder-prompt", "a document", PROMPT)
+    assert refused.returncode == 1 and "INVALID_ARGUMENT: encoder_prompt" in refused.stderr
+
+
+def test_generate_command_calls_an_encoder_decoder_model(encdec_model):
+    with WorkerProcess(encdec_model) as w:
+        done = kvshare_generate(w.target, "--encoder-prompt", "the document to read", "--max-new-tokens", "5",
+                                "--ignore-eos", "")
+    assert done.returncode == 0, done.stderr
+    assert "completion_tokens=5" in done.stderr

@@ -40,9 +40,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.api.client import generate_main
+    from services.api.client import generate_main, generate_request
 
-    return generate_main(args.target, args.prompt, args.max_new_tokens, args.temperature, args.timeout_s)
+    return generate_main(args.target, generate_request(args), args.timeout_s)
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -73,21 +73,33 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(serve)
     serve.set_defaults(func=_serve)
 
-    gen = sub.add_parser("generate", help="stream one completion from a running worker")
-    gen.add_argument("prompt")
+    defaults = argparse.ArgumentDefaultsHelpFormatter
+    gen = sub.add_parser("generate", help="stream one completion from a running worker", formatter_class=defaults)
+    gen.add_argument("prompt", help="the prompt text (for an encoder-decoder model: the decoder prompt, may be empty)")
     gen.add_argument("--target", default="127.0.0.1:50051", help="worker host:port")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 = all)")
+    gen.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this much mass (unset = 1)")
+    gen.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same tokens (unset = random)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeat for several); not returned")
+    gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+    gen.add_argument("--salt", default="", help="cache salt: requests with different salts never share cached blocks")
+    gen.add_argument("--encoder-prompt", default=None, help="encoder input text (encoder-decoder models)")
     gen.add_argument("--timeout-s", type=float, default=300.0, help="call deadline in seconds")
     gen.set_defaults(func=_generate)
 
-    build = sub.add_parser("build-model", help="write a seeded-weight model folder (ONNX Runtime GenAI layout)")
-    build.add_argument("out_dir", type=Path)
-    build.add_argument("--arch", choices=["decoder", "encoder-decoder"], default="decoder")
-    build.add_argument("--preset", choices=sorted(DECODER_PRESETS), default="tiny")
+    build = sub.add_parser("build-model", help="write a seeded-weight model folder (ONNX Runtime GenAI layout)",
+                           description="Writes a model with seeded random weights (its output is random text) for "
+                                       "tests, benchmarks and trying the server.", formatter_class=defaults)
+    build.add_argument("out_dir", type=Path, help="folder to write (genai_config.json, *.onnx, tokenizer.json)")
+    build.add_argument("--arch", choices=["decoder", "encoder-decoder"], default="decoder",
+                       help="a Llama-shaped decoder, or a T5-like encoder-decoder with cross-attention")
+    build.add_argument("--preset", choices=sorted(DECODER_PRESETS), default="tiny",
+                       help="size: tiny (tests), small (demo), bench (benchmarks); the README lists the shapes")
     build.add_argument("--kv-layout", choices=[layout.value for layout in KVLayout], default=KVLayout.SEPARATE.value,
                        help="self-attention cache layout of a decoder-only model")
-    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--seed", type=int, default=0, help="weight seed: the same seed writes the same bytes")
     build.set_defaults(func=_build_model)
 
     demo = sub.add_parser("demo", help="build the small model, start a worker and show shared-prompt requests")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,13 +39,24 @@ def complete(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s
     return Completion(text="".join(texts), token_ids=ids, last=last, messages=count)
 
 
-def generate_main(target: str, prompt: str, max_new_tokens: int, temperature: float, timeout_s: float) -> int:
+def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
+    """The request `kvshare generate` sends for its parsed flags."""
+    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    if args.seed is not None:
+        sampling.seed = args.seed
+    return pb.GenerateRequest(
+        prompt=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
+        ignore_eos=args.ignore_eos, cache=pb.CacheOptions(salt=args.salt),
+        encoder_prompt=args.encoder_prompt or "",
+    )
+
+
+def generate_main(target: str, request: pb.GenerateRequest, timeout_s: float) -> int:
     """`kvshare generate`: text to stdout as it streams, usage and timings to stderr."""
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GeneratorStub(channel)
-        request = pb.GenerateRequest(
-            prompt=prompt, max_new_tokens=max_new_tokens, sampling=pb.SamplingParams(temperature=temperature)
-        )
         try:
             done = complete(stub, request, timeout_s, echo=lambda t: print(t, end="", flush=True))
         except grpc.RpcError as exc:
