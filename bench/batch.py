@@ -20,8 +20,6 @@ it 16 rows, and the kvshare worker compared with it runs ``--max-batch 16``.
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
 import sys
 import time
 from contextlib import ExitStack
@@ -35,6 +33,7 @@ from bench.fleet import (
     INTRA_OP_THREADS,
     BenchModel,
     bench_model,
+    genai_folder,
     parse_args,
     print_table,
 )
@@ -105,14 +104,7 @@ class GenAIEngine:
         import onnxruntime_genai as og
 
         self.og = og
-        folder = model.folder.with_name(f"{model.folder.name}-genai-engine-{rows}")
-        if not folder.exists():
-            shutil.copytree(model.folder, folder)
-        config = json.loads((folder / "genai_config.json").read_text())
-        config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = INTRA_OP_THREADS
-        config["engine"] = {"static_batching": {"max_batch_size": rows}}
-        (folder / "genai_config.json").write_text(json.dumps(config, indent=4))
-        self.engine = og.Engine(og.Model(str(folder)))
+        self.engine = og.Engine(og.Model(str(genai_folder(model, rows))))
 
     def load(self, prompts: list[list[int]], new_tokens: list[int]) -> LoadResult:
         og = self.og

@@ -12,19 +12,16 @@ server path.
 
 from __future__ import annotations
 
-import json
-import shutil
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
 from bench.fleet import (
     INTRA_OP_THREADS,
-    BenchModel,
     bench_model,
     fleet,
+    genai_folder,
     median,
     parse_args,
     print_table,
@@ -34,18 +31,6 @@ from services.api.client import complete
 from services.runtime.model_spec import load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.slots import SlotBank, open_slots
-
-
-def genai_folder(model: BenchModel) -> Path:
-    """A copy of the folder with GenAI's thread count pinned like kvshare's (the same files otherwise)."""
-    folder = model.folder.with_name(model.folder.name + "-genai")
-    if not folder.exists():
-        shutil.copytree(model.folder, folder)
-    config_path = folder / "genai_config.json"
-    config = json.loads(config_path.read_text())
-    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = INTRA_OP_THREADS
-    config_path.write_text(json.dumps(config, indent=4))
-    return folder
 
 
 def genai_run(og_model, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:

@@ -8,8 +8,9 @@ the test suite can check the benchmarks still work (not their numbers).
 from __future__ import annotations
 
 import argparse
+import json
+import shutil
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -23,12 +24,11 @@ import redis
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
-from services.local.demo import ensure_model
+from services.local.model_cache import STAMP, cache_dir, ensure_model
 from services.local.redis_process import RedisServer
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.presets import DECODER_PRESETS
 
-MODELS_DIR = Path(tempfile.gettempdir()) / "kvshare-bench"
 FIRST_TOKEN_ID = 3  # ids below are the tokenizer's special tokens
 INTRA_OP_THREADS = 2
 QUESTION_TOKENS = 32  # the part of a prompt that differs between requests sharing a prefix
@@ -49,6 +49,25 @@ class BenchModel:
         return rng.integers(FIRST_TOKEN_ID, self.vocab_size, size=count).tolist()
 
 
+def genai_folder(model: BenchModel, engine_rows: int | None = None) -> Path:
+    """A copy of the model folder for ONNX Runtime GenAI, the same files with its intra-op threads
+    pinned like kvshare's (and, for og.Engine, ``engine_rows`` static-batching rows). Copied again
+    whenever the model was rebuilt, so both engines always read the same weights."""
+    suffix = "-genai" if engine_rows is None else f"-genai-engine-{engine_rows}"
+    folder = model.folder.with_name(model.folder.name + suffix)
+    stamp = model.folder / STAMP
+    if not folder.exists() or (folder / STAMP).read_bytes() != stamp.read_bytes():
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(model.folder, folder)
+    config_path = folder / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = INTRA_OP_THREADS
+    if engine_rows is not None:
+        config["engine"] = {"static_batching": {"max_batch_size": engine_rows}}
+    config_path.write_text(json.dumps(config, indent=4))
+    return folder
+
+
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--smoke", action="store_true", help="tiny model, few runs: checks the benchmark works")
@@ -58,9 +77,9 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
 
 
 def bench_model(smoke: bool) -> BenchModel:
-    """The bench preset (tiny for smoke runs), built once into the temp folder and reused."""
+    """The bench preset (tiny for smoke runs), built once into the user's cache folder and reused while verified."""
     preset = "tiny" if smoke else "bench"
-    return BenchModel(ensure_model(MODELS_DIR / f"decoder-{preset}", preset), preset)
+    return BenchModel(ensure_model(cache_dir() / f"decoder-{preset}", preset), preset)
 
 
 @dataclass(slots=True)

@@ -4,7 +4,6 @@ then stops everything it started."""
 
 from __future__ import annotations
 
-import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -14,10 +13,9 @@ import grpc
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
+from services.local.model_cache import cache_dir, ensure_model
 from services.local.redis_process import RedisServer
 from services.local.worker_process import WorkerProcess
-from services.modelbuild.folder import write_decoder_folder
-from services.runtime.kv_layout import KVLayout
 
 SYSTEM_PROMPT = (
     "You are the support assistant of a company that runs decode workers for language models. "
@@ -34,16 +32,8 @@ QUESTIONS = (
 )
 
 
-def ensure_model(folder: Path, preset: str = "small") -> Path:
-    """Builds the seeded model once; the builder is deterministic, so a finished folder is reused."""
-    if not (folder / "genai_config.json").exists():
-        print(f"building the seeded '{preset}' decoder into {folder} ...", flush=True)
-        write_decoder_folder(folder, preset, KVLayout.SEPARATE)
-    return folder
-
-
 def run_demo(model_dir: Path | None, max_new_tokens: int) -> int:
-    model = ensure_model(model_dir or Path(tempfile.gettempdir()) / "kvshare-demo" / "decoder-small")
+    model = model_dir or ensure_model(cache_dir() / "decoder-small", "small")
     with ExitStack() as stack:
         redis_server = stack.enter_context(RedisServer())
         print(f"redis-server on {redis_server.url}")
@@ -51,7 +41,10 @@ def run_demo(model_dir: Path | None, max_new_tokens: int) -> int:
         stubs = [pb_grpc.GeneratorStub(stack.enter_context(grpc.insecure_channel(w.target))) for w in workers]
         info = stubs[0].GetModelInfo(pb.GetModelInfoRequest())
         print(f"replicas {workers[0].target} and {workers[1].target}: model {info.name}, {info.num_layers} layers, "
-              f"{info.num_heads}/{info.num_kv_heads} heads, block {info.block_size} tokens, {info.execution_provider}\n")
+              f"{info.num_heads}/{info.num_kv_heads} heads, block {info.block_size} tokens, {info.execution_provider}")
+        if model_dir is None:
+            print("The model has seeded RANDOM weights: its answers are meaningless text (the same for every "
+                  "question, since the long shared prompt dominates). What the demo shows is the cache table below.\n")
         rows = []
         for i, question in enumerate(QUESTIONS):
             replica = i % 2

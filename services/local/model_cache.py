@@ -1,0 +1,59 @@
+"""Seeded-weight model folders built once and reused from the user's cache directory.
+
+A folder is reused only when its build stamp names the same builder (the hash of the builder's
+source and the preset) and its files still have the fingerprint recorded when it was built;
+anything else (a partial build, an edited file, a newer builder) is built again, into a
+temporary folder that replaces the old one only once complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from services.modelbuild.folder import write_decoder_folder
+from services.runtime.kv_layout import KVLayout
+from services.runtime.model_spec import load_model_spec
+
+STAMP = ".kvshare-build.json"
+_BUILDER = Path(__file__).resolve().parents[1] / "modelbuild"
+
+
+def cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/kvshare/models``, else ``~/.cache/kvshare/models``: per user, never shared."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvshare" / "models"
+
+
+def builder_identity(preset: str, layout: KVLayout, seed: int = 0) -> str:
+    digest = hashlib.sha256(f"{preset}|{layout.value}|{seed}".encode())
+    for path in sorted(_BUILDER.glob("*.py")) + sorted(_BUILDER.glob("*.txt")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _reusable(folder: Path, identity: str) -> bool:
+    try:
+        stamp = json.loads((folder / STAMP).read_text())
+        return stamp["builder"] == identity and load_model_spec(folder).fingerprint == stamp["fingerprint"]
+    except Exception:  # noqa: BLE001 - any unreadable stamp or folder means: build it again
+        return False
+
+
+def ensure_model(folder: Path, preset: str = "small") -> Path:
+    """The seeded decoder ``preset`` in ``folder``, built unless a verified build is already there."""
+    identity = builder_identity(preset, KVLayout.SEPARATE)
+    if _reusable(folder, identity):
+        return folder
+    print(f"building the seeded-weight '{preset}' decoder into {folder} ...", flush=True)
+    partial = folder.with_name(f"{folder.name}.{os.getpid()}.part")
+    shutil.rmtree(partial, ignore_errors=True)
+    write_decoder_folder(partial, preset, KVLayout.SEPARATE)
+    stamp = {"builder": identity, "fingerprint": load_model_spec(partial).fingerprint}
+    (partial / STAMP).write_text(json.dumps(stamp))
+    shutil.rmtree(folder, ignore_errors=True)
+    os.replace(partial, folder)
+    return folder
