@@ -296,3 +296,14 @@ def test_generate_command_calls_an_encoder_decoder_model(encdec_model):
                                 "--ignore-eos", "")
     assert done.returncode == 0, done.stderr
     assert "completion_tokens=5" in done.stderr
+
+
+def test_unreachable_redis_is_said_at_start_and_the_worker_serves(tiny_model):
+    import socket
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with WorkerProcess(tiny_model, "--cache", f"redis://127.0.0.1:{port}/0") as w, grpc.insecure_channel(w.target) as channel:
+        assert any("WARNING" in line and "unreachable at start-up" in line for line in w.log_lines), w.log_lines
+        still_serves(pb_grpc.GeneratorStub(channel))

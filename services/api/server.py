@@ -37,7 +37,12 @@ def store_options(settings: Settings) -> StoreOptions:
 def load_engine(settings: Settings) -> Engine:
     stats = CacheStats()
     store = open_store(settings.cache_url, store_options(settings), stats)
-    log.info("cache store: %s", store.name)
+    try:
+        store.ping()
+        log.info("cache store: %s", store.name)
+    except Exception as exc:  # noqa: BLE001 - any failure to reach it is the same news to an operator
+        log.warning("cache store %s is unreachable at start-up (%s: %s); serving anyway, computing every "
+                    "prompt until it answers", store.name, type(exc).__name__, exc)
     options = EngineOptions(
         max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, max_batch=settings.max_batch,
         kv_cache_bytes=settings.kv_cache_bytes, max_queued=settings.max_queued,
