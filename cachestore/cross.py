@@ -14,10 +14,13 @@ import numpy as np
 
 from cachestore.codec import CodecError, Expected, ValueKind, decode, encode
 from cachestore.keys import BlockHash, cross_key
+from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 
 log = logging.getLogger(__name__)
+# One line per 10 s however many values a fault rejects; each is still counted in CacheStats.
+_rejected = RateLimitedLog(log)
 
 
 class CrossStore:
@@ -39,7 +42,7 @@ class CrossStore:
                 raise CodecError(f"shape {kv.shape} does not fit {layers} layers x {heads} heads x {head_dim}")
         except CodecError as exc:
             self.stats.add(corrupt_values=1, cross_misses=1)
-            log.warning("cache value %s rejected (%s); deleted, running the encoder instead", key, exc)
+            _rejected.warning("cache value %s rejected (%s); deleted, running the encoder instead", key, exc)
             self.store.delete([key])
             return None
         self.stats.add(cross_hits=1, bytes_read=len(value))

@@ -14,10 +14,13 @@ import numpy as np
 
 from cachestore.codec import CodecError, Expected, ValueKind, decode, encode
 from cachestore.keys import BlockHash, Namespace, block_hashes, block_key
+from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 
 log = logging.getLogger(__name__)
+# One line per 10 s however many values a fault rejects; each is still counted in CacheStats.
+_rejected = RateLimitedLog(log)
 CANONICAL_LAYOUT = "layers,kv,kv_heads,tokens,head_dim"
 
 
@@ -72,7 +75,7 @@ class PrefixStore:
                 run.append(decode(value, Expected(ValueKind.PREFIX_BLOCK, h, self.geometry.dtype, shape)))
             except CodecError as exc:
                 self.stats.add(corrupt_values=1)
-                log.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
+                _rejected.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
                 self.store.delete([key])
                 break
             self.stats.add(bytes_read=len(value))

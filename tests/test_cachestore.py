@@ -182,3 +182,20 @@ def test_one_log_line_per_failure_burst(caplog):
         for _ in range(10):
             store.get_many(["a"])
     assert len(caplog.records) == 1 and "computing instead" in caplog.records[0].getMessage()
+
+
+def test_rejected_value_warnings_are_rate_limited(caplog):
+    import logging
+
+    from cachestore.ratelimit import RateLimitedLog
+
+    now = [0.0]
+    limited = RateLimitedLog(logging.getLogger("kvshare.test.ratelimit"), interval_s=10.0, clock=lambda: now[0])
+    with caplog.at_level("WARNING", logger="kvshare.test.ratelimit"):
+        for i in range(246):  # a fault's worth of bad values within one interval
+            now[0] = i * 0.04
+            limited.warning("cache value %s rejected", i)
+        now[0] = 10.0
+        limited.warning("cache value %s rejected", "later")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["cache value 0 rejected", "cache value later rejected (and 245 more like it in the last 10 s)"]
