@@ -307,3 +307,21 @@ def test_unreachable_redis_is_said_at_start_and_the_worker_serves(tiny_model):
     with WorkerProcess(tiny_model, "--cache", f"redis://127.0.0.1:{port}/0") as w, grpc.insecure_channel(w.target) as channel:
         assert any("WARNING" in line and "unreachable at start-up" in line for line in w.log_lines), w.log_lines
         still_serves(pb_grpc.GeneratorStub(channel))
+
+
+def test_one_json_log_line_per_request(tiny_model):
+    import json
+
+    with WorkerProcess(tiny_model, "--log-format", "json") as w, grpc.insecure_channel(w.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        complete(stub, pb.GenerateRequest(request_id="logged-1", prompt=PROMPT, max_new_tokens=4, ignore_eos=True),
+                 timeout_s=30)
+        deadline = time.monotonic() + 10
+        while not any('"logged-1"' in line for line in w.log_lines):
+            assert time.monotonic() < deadline, w.log_lines
+            time.sleep(0.02)
+        lines = [line for line in w.log_lines if not line.startswith("kvshare listening")]
+    entries = [json.loads(line) for line in lines]  # every log line is one JSON object
+    (done,) = [e for e in entries if e.get("request_id") == "logged-1"]
+    assert done["outcome"] == "length" and done["completion_tokens"] == 4 and done["level"] == "INFO"
+    assert done["prompt_tokens"] > 0 and done["cached_prompt_tokens"] == 0 and done["total_ms"] >= done["ttft_ms"] > 0

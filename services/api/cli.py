@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from pathlib import Path
 
@@ -15,12 +14,12 @@ from services.runtime.kv_layout import KVLayout
 
 def _serve(args: argparse.Namespace) -> int:
     from cachestore.factory import StoreURLError
+    from services.api.logs import configure_logging
     from services.api.server import serve
     from services.errors import ModelLoadError, StartupError
 
     settings = settings_from(args)
-    logging.basicConfig(level=settings.log_level.upper(), stream=sys.stdout,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level, settings.log_format)
     if settings.model is None:
         print("kvshare serve: --model DIR (or KVSHARE_MODEL) is required", file=sys.stderr)
         return 2

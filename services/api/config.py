@@ -50,6 +50,7 @@ class Settings:
     not_serving_s: float = field(default=2.0, metadata={"help": "On SIGTERM, seconds to keep accepting calls while health reports NOT_SERVING, so balancers stop routing here first."})
     drain_s: float = field(default=20.0, metadata={"help": "On SIGTERM, seconds in-flight streams get to finish before the server stops."})
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
+    log_format: str = field(default="text", metadata={"help": "Log lines as text, or json (one object per line, for log shippers); one line per finished request either way.", "choices": ["text", "json"]})
 
     def problems(self) -> list[str]:
         """Settings outside their allowed range, each as a message naming the flag and variable

@@ -322,7 +322,7 @@ class Engine:
         self.stats.started += 1
         self.stats.active += 1
         text = TextStream(self.tokenizer, request.stop)
-        finished = False
+        finished, finish = False, None
         try:
             while not finished:
                 await seq.ready.wait()
@@ -332,6 +332,7 @@ class Engine:
                     continue
                 chunk = self._chunk(seq, items, text)
                 finished = chunk.finish_reason is not None
+                finish = chunk.finish_reason
                 if len(items) >= self.options.max_unread_tokens:
                     self.scheduler.wake()  # it may have paused this sequence: it can decode again
                 yield chunk
@@ -343,8 +344,21 @@ class Engine:
                 self.stats.finished += 1
             else:
                 self.stats.cancelled += 1
-                log.info("request %s stopped after %d generated tokens (cancelled or failed)",
-                         seq.request_id, seq.usage.completion_tokens)
+            self._log_request(seq, finish.value if finished else "cancelled or failed")
+
+    @staticmethod
+    def _log_request(seq: Sequence, outcome: str) -> None:
+        """One line per request that reached the scheduler: what it asked, what the cache gave, what it cost."""
+        u, t = seq.usage, seq.timings
+        verb = "finished" if outcome != "cancelled or failed" else "stopped"
+        log.info("request %s %s after %d generated tokens (%s)", seq.request_id, verb, u.completion_tokens, outcome,
+                 extra={"fields": {
+                     "request_id": seq.request_id, "outcome": outcome, "prompt_tokens": u.prompt_tokens,
+                     "cached_prompt_tokens": u.cached_prompt_tokens, "completion_tokens": u.completion_tokens,
+                     "ttft_ms": round(t.time_to_first_token_ms, 1), "fetch_ms": round(t.cache_fetch_ms, 1),
+                     "prefill_ms": round(t.prefill_ms, 1),
+                     "total_ms": round((time.perf_counter() - seq.t0) * 1e3, 1),
+                 }})
 
     def _chunk(self, seq: Sequence, items: list, text: TextStream) -> GenerationChunk:
         """Turns drained tokens into one chunk: text deltas, and the finish reason once the
