@@ -325,3 +325,36 @@ def test_one_json_log_line_per_request(tiny_model):
     (done,) = [e for e in entries if e.get("request_id") == "logged-1"]
     assert done["outcome"] == "length" and done["completion_tokens"] == 4 and done["level"] == "INFO"
     assert done["prompt_tokens"] > 0 and done["cached_prompt_tokens"] == 0 and done["total_ms"] >= done["ttft_ms"] > 0
+
+
+def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_url):
+    from urllib.request import urlopen
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.local.redis_process import free_port
+
+    port = free_port()
+    with WorkerProcess(tiny_model, "--metrics-port", str(port), "--cache", redis_url, "--block-size", "16") as w, \
+            grpc.insecure_channel(w.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        ids = list(range(3, 3 + 40))
+        request = pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=5, ignore_eos=True)
+        complete(stub, request, timeout_s=30)
+        with redis_server.client() as client:  # the second request hits the first one's two blocks
+            deadline = time.monotonic() + 10
+            while client.dbsize() < 2:
+                assert time.monotonic() < deadline, "the first request's blocks were never published"
+                time.sleep(0.01)
+        complete(stub, request, timeout_s=30)
+        text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {s.name + str(sorted(s.labels.items())): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples["kvshare_requests_total[('outcome', 'length')]"] == 2
+    assert samples["kvshare_generation_tokens_total[]"] == 10
+    assert samples["kvshare_prefix_cache_queries_total[]"] == 80
+    assert samples["kvshare_prefix_cache_hits_total[]"] == 32  # two full 16-token blocks of 40
+    assert samples["kvshare_time_to_first_token_seconds_count[]"] == 2
+    assert samples["kvshare_requests_running[]"] == 0 and samples["kvshare_requests_rejected_total[]"] == 0
+    assert samples["kvshare_cache_breaker_open[('direction', 'reads')]"] == 0
+    assert samples["kvshare_cache_blocks_written_total[]"] == 2

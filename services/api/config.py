@@ -23,6 +23,7 @@ class Settings:
     model: Path | None = field(default=None, metadata={"help": "Model folder in ONNX Runtime GenAI's layout (genai_config.json, *.onnx, tokenizer.json)."})
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on; 0.0.0.0 inside a container."})
     port: int = field(default=50051, metadata={"help": "TCP port; 0 picks a free one (the chosen port is printed)."})
+    metrics_port: int = field(default=0, metadata={"min": 0, "help": "Port of the Prometheus /metrics endpoint (on --host; a port of its own, not for gRPC clients); 0 = no metrics."})
     cache_url: str = field(default="memory://", metadata={"help": "Shared KV store: memory://, redis://host:port, rediss://, unix://, redis+cluster://, tiered+<redis URL>.", "aliases": ["--cache"]})
     cache_ttl_s: int = field(default=3600, metadata={"help": "Seconds a published block lives in Redis (SET NX EX)."})
     cache_op_timeout_ms: float = field(default=250.0, metadata={"help": "Socket deadline of a store operation; past it (twice, with the one retry) the worker computes instead."})

@@ -15,6 +15,7 @@ from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.config import Settings
+from services.api.metrics import WorkerMetrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
 from services.errors import StartupError
@@ -79,6 +80,13 @@ async def serve(settings: Settings) -> None:
         engine.close()
         raise StartupError(f"cannot listen on {settings.host}:{settings.port}: the address is in use or not "
                            "available here; pick another --port (0 picks a free one)") from exc
+    if settings.metrics_port:
+        try:
+            WorkerMetrics(engine).serve(settings.host, settings.metrics_port)
+        except OSError as exc:
+            engine.close()
+            raise StartupError(f"cannot serve metrics on {settings.host}:{settings.metrics_port}: {exc.strerror}") from exc
+        log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

@@ -121,6 +121,8 @@ class Engine:
         self._pending_publishes: set[Future] = set()
         max_batch = options.max_batch or derived_max_batch(
             spec.kv_bytes_per_token(session.kv_dtype.itemsize), spec.context_length, options.kv_cache_bytes)
+        self.request_observers: list[Callable[[Sequence, str, float], None]] = []
+        """Called on the event loop once per request that ends: (sequence, outcome, seconds taken)."""
         self.slots = open_slots(session, max_batch, spec.context_length)
         self.scheduler = Scheduler(
             self.slots,
@@ -346,10 +348,13 @@ class Engine:
                 self.stats.cancelled += 1
             self._log_request(seq, finish.value if finished else "cancelled or failed")
 
-    @staticmethod
-    def _log_request(seq: Sequence, outcome: str) -> None:
-        """One line per request that reached the scheduler: what it asked, what the cache gave, what it cost."""
+    def _log_request(self, seq: Sequence, outcome: str) -> None:
+        """One line per request that reached the scheduler (what it asked, what the cache gave, what
+        it cost), and the same facts to every request observer (metrics)."""
         u, t = seq.usage, seq.timings
+        total_s = time.perf_counter() - seq.t0
+        for observe in self.request_observers:
+            observe(seq, outcome, total_s)
         verb = "finished" if outcome != "cancelled or failed" else "stopped"
         log.info("request %s %s after %d generated tokens (%s)", seq.request_id, verb, u.completion_tokens, outcome,
                  extra={"fields": {
@@ -357,7 +362,7 @@ class Engine:
                      "cached_prompt_tokens": u.cached_prompt_tokens, "completion_tokens": u.completion_tokens,
                      "ttft_ms": round(t.time_to_first_token_ms, 1), "fetch_ms": round(t.cache_fetch_ms, 1),
                      "prefill_ms": round(t.prefill_ms, 1),
-                     "total_ms": round((time.perf_counter() - seq.t0) * 1e3, 1),
+                     "total_ms": round(total_s * 1e3, 1),
                  }})
 
     def _chunk(self, seq: Sequence, items: list, text: TextStream) -> GenerationChunk:

@@ -1,0 +1,115 @@
+"""Prometheus metrics of a worker, on a port of their own (``--metrics-port``).
+
+Per-request cache state is sensitive (it tells which prompts are cached), so the metrics are not
+served to gRPC clients; the chart scrapes this port from inside the cluster. Names follow the
+field's (vLLM ``prefix_cache_queries``/``_hits`` in tokens, LMCache ``time_to_retrieve``) under a
+``kvshare_`` prefix. Counters the engine and the store already keep are read at scrape time; the
+latency histograms are fed once per finished request. Nothing here runs on the token path.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from cachestore.breaker import BreakerState
+from cachestore.resilient import ResilientStore
+from cachestore.tiered import TieredStore
+from services.engine.engine import Engine
+from services.engine.sequence import Sequence
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+
+# CacheStats field -> (metric name without _total, help)
+_CACHE_COUNTERS = {
+    "cross_hits": ("kvshare_cross_cache_hits", "Encoder inputs whose cross-attention K/V came from the store."),
+    "cross_misses": ("kvshare_cross_cache_misses", "Encoder inputs whose cross-attention K/V was computed."),
+    "bytes_read": ("kvshare_cache_fetch_bytes", "Bytes of checked values read from the store."),
+    "bytes_sent": ("kvshare_cache_publish_bytes", "Bytes of values sent to the store."),
+    "blocks_written": ("kvshare_cache_blocks_written", "Prefix blocks the store did not have and now has."),
+    "publishes_dropped": ("kvshare_cache_publishes_dropped", "Publishes dropped because too many were pending."),
+    "values_too_large": ("kvshare_cache_values_too_large", "Cross-attention values not stored for their size."),
+    "store_errors": ("kvshare_cache_store_errors", "Store operations that failed (computed instead)."),
+    "short_circuited": ("kvshare_cache_short_circuited", "Store operations skipped while a breaker was open."),
+}
+
+
+def _resilient(store) -> ResilientStore | None:
+    if isinstance(store, TieredStore):
+        store = store.l2
+    return store if isinstance(store, ResilientStore) else None
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's, the scheduler's and the store's own counters when Prometheus scrapes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self):
+        engine, scheduler = self._engine, self._engine.scheduler
+        stats, cache = scheduler.stats, engine.cache_stats.snapshot()
+        yield GaugeMetricFamily("kvshare_requests_running", "Sequences holding a slot.", value=scheduler.running)
+        yield GaugeMetricFamily("kvshare_requests_queued", "Admitted requests waiting for a slot.", value=scheduler.queued)
+        yield GaugeMetricFamily("kvshare_slots", "Slots (the decode batch's most rows).", value=engine.slots.max_batch)
+        yield CounterMetricFamily("kvshare_requests_rejected", "Requests refused at the door (RESOURCE_EXHAUSTED).",
+                                  value=stats.rejected)
+        yield CounterMetricFamily("kvshare_decode_steps", "Batched decode runs.", value=stats.decode_steps)
+        yield CounterMetricFamily("kvshare_decode_rows", "Rows advanced by decode runs (rows / steps = mean batch).",
+                                  value=stats.decode_rows)
+        yield CounterMetricFamily("kvshare_prefill_tokens", "Prompt tokens computed (not served from the store).",
+                                  value=stats.prefill_tokens)
+        rejected = CounterMetricFamily("kvshare_cache_values_rejected",
+                                       "Stored values that failed a check (deleted, computed instead).", labels=["reason"])
+        rejected.add_metric(["format_or_checksum"], cache["corrupt_values"])
+        yield rejected
+        for field, (name, help_text) in _CACHE_COUNTERS.items():
+            yield CounterMetricFamily(name, help_text, value=cache[field])
+        store = _resilient(engine.store)
+        if store is not None:
+            breaker = GaugeMetricFamily("kvshare_cache_breaker_open", "1 while the store's breaker keeps calls away.",
+                                        labels=["direction"])
+            for direction, b in (("reads", store.read_breaker), ("writes", store.write_breaker)):
+                breaker.add_metric([direction], float(b.state is not BreakerState.CLOSED))
+            yield breaker
+
+
+class WorkerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("kvshare_time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("kvshare_inter_token_latency_seconds", "Mean gap between a request's tokens.",
+                             buckets=_GAP_BUCKETS, registry=r)
+        self.e2e = Histogram("kvshare_e2e_request_latency_seconds", "Request time, received to last token.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.fetch = Histogram("kvshare_cache_fetch_seconds", "Store lookup and copy into the slot, per request.",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.queries = Counter("kvshare_prefix_cache_queries", "Prompt tokens looked up in the prefix cache (tokens).", registry=r)
+        self.hits = Counter("kvshare_prefix_cache_hits", "Prompt tokens served from cached blocks (tokens).", registry=r)
+        self.prompt_tokens = Counter("kvshare_prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("kvshare_generation_tokens", "Tokens generated.", registry=r)
+        self.requests = Counter("kvshare_requests", "Requests that ended, by outcome.", ["outcome"], registry=r)
+        r.register(_EngineCollector(engine))
+        engine.request_observers.append(self.observe)
+
+    def observe(self, seq: Sequence, outcome: str, total_s: float) -> None:
+        u, t = seq.usage, seq.timings
+        self.requests.labels(outcome).inc()
+        self.prompt_tokens.inc(u.prompt_tokens)
+        self.generation_tokens.inc(u.completion_tokens)
+        if not seq.cache.skip_read:
+            self.queries.inc(u.prompt_tokens)
+            self.hits.inc(u.cached_prompt_tokens)
+        if u.completion_tokens:
+            self.ttft.observe(t.time_to_first_token_ms / 1e3)
+            self.e2e.observe(total_s)
+            self.fetch.observe(t.cache_fetch_ms / 1e3)
+        if u.completion_tokens > 1:
+            self.itl.observe((total_s - t.time_to_first_token_ms / 1e3) / (u.completion_tokens - 1))
+
+    def serve(self, host: str, port: int) -> None:
+        """Serves /metrics on ``host:port`` from a daemon thread."""
+        start_http_server(port, addr=host, registry=self.registry)
