@@ -39,8 +39,8 @@ RELEASE, NAMESPACE = "kvshare", "inference"
 
 OLDEST_KUBERNETES = "1.29.0"
 
-# Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*).
-CHART_MANAGED_SETTINGS = {"model", "host", "port", "cache_url"}
+# Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*, metrics.*).
+CHART_MANAGED_SETTINGS = {"model", "host", "port", "cache_url", "metrics_port"}
 
 
 @dataclass(frozen=True)
@@ -670,3 +670,18 @@ def test_healthcheck_script_fails_when_nothing_listens():
                             capture_output=True, text=True, timeout=30)
     assert result.returncode == 1
     assert "UNAVAILABLE" in result.stderr or "DEADLINE_EXCEEDED" in result.stderr
+
+
+def test_metrics_port_scraped_by_annotation_and_off_the_service(helm, rendered):
+    docs = rendered["defaults"]
+    container = worker_container(docs)
+    assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    assert find(docs, "ConfigMap")["data"]["KVSHARE_METRICS_PORT"] == "9090"
+    annotations = find(docs, "Deployment")["spec"]["template"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/scrape"], annotations["prometheus.io/port"]) == ("true", "9090")
+    for service in (d for d in docs if d["kind"] == "Service"):
+        assert all(p["port"] != 9090 for p in service["spec"]["ports"]), "metrics must not be on a Service"
+    off = helm.render({"metrics": {"enabled": False, "port": 9090}})
+    assert find(off, "ConfigMap")["data"]["KVSHARE_METRICS_PORT"] == "0"
+    assert all(p["name"] != "metrics" for p in worker_container(off)["ports"])
+    assert "prometheus.io/scrape" not in find(off, "Deployment")["spec"]["template"]["metadata"]["annotations"]
