@@ -49,7 +49,28 @@ class Slot:
     """``SequenceSlots`` only: the sequence's own cache."""
 
 
-class SharedSlots:
+class _Bank:
+    """What both banks share: the session, the sizes, and the free slot indices (lowest first)."""
+
+    def __init__(self, session: DecoderSession, max_batch: int, max_seq: int) -> None:
+        self.session = session
+        self.max_batch = max_batch
+        self.max_seq = max_seq
+        self._free = list(range(max_batch))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, capacity: int) -> Slot:
+        assert capacity <= self.max_seq, f"{capacity} tokens exceed a slot of {self.max_seq}"
+        return Slot(heapq.heappop(self._free), capacity)
+
+    def release(self, slot: Slot) -> None:
+        heapq.heappush(self._free, slot.index)
+
+
+class SharedSlots(_Bank):
     """Rows of one shared K/V buffer per layer; decode steps batch every decoding row."""
 
     batched = True
@@ -57,29 +78,18 @@ class SharedSlots:
     def __init__(self, session: DecoderSession, max_batch: int, max_seq: int) -> None:
         spec = session.spec
         assert session.shares_buffer and session.on_host and spec.encoder is None, "a host GQA shared-buffer graph"
-        self.session = session
-        self.max_batch = max_batch
-        self.max_seq = max_seq
+        super().__init__(session, max_batch, max_seq)
         # np.zeros maps pages lazily: memory is committed only as rows are written.
         self._kv = aligned_zeros([spec.num_layers, 2, max_batch, spec.num_kv_heads, max_seq, spec.head_size],
                                  session.kv_dtype)
         self._lengths = np.zeros(max_batch, dtype=np.int64)
-        self._free = list(range(max_batch))
         self._row_bytes = self._kv[0, 0, 0].nbytes
         self._logits = np.empty((max_batch, 1, spec.vocab_size), dtype=session.logits_dtype)
         self._decode_bindings: dict[int, ort.IOBinding] = {}
 
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def acquire(self, capacity: int) -> Slot:
-        assert capacity <= self.max_seq, f"{capacity} tokens exceed a row of {self.max_seq}"
-        return Slot(heapq.heappop(self._free), capacity)
-
     def release(self, slot: Slot) -> None:
         self._lengths[slot.index] = 0
-        heapq.heappush(self._free, slot.index)
+        super().release(slot)
 
     def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None) -> None:
         """Fills the slot with the first ``tokens`` tokens of cached ``blocks``."""
@@ -171,27 +181,14 @@ class SharedSlots:
         return logits.astype(np.float32, copy=False)
 
 
-class SequenceSlots:
+class SequenceSlots(_Bank):
     """One ``KVCache`` per slot, each row run batch 1: the layout for graphs ``SharedSlots`` cannot batch."""
 
     batched = False
 
-    def __init__(self, session: DecoderSession, max_batch: int, max_seq: int) -> None:
-        self.session = session
-        self.max_batch = max_batch
-        self.max_seq = max_seq
-        self._free = list(range(max_batch))
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    def acquire(self, capacity: int) -> Slot:
-        return Slot(heapq.heappop(self._free), capacity)
-
     def release(self, slot: Slot) -> None:
         slot.cache = None
-        heapq.heappush(self._free, slot.index)
+        super().release(slot)
 
     def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None) -> None:
         if tokens:
