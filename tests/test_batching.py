@@ -22,6 +22,7 @@ from services.api.servicer import GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import CacheControl, GenerationRequest
 from services.engine.sampling import SamplingConfig
+from services.engine.scheduler import SchedulerOptions
 from services.engine.sequence import Phase
 from services.errors import Overloaded
 from services.runtime.kv_layout import KVLayout
@@ -37,8 +38,10 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def make_engine(folder, store=None, **options) -> Engine:
-    return Engine.load(folder, EngineOptions(block_size=B, **options), store or MemoryStore(64 << 20), CacheStats(),
-                       "cpu", 2)
+    """An engine on ``folder``; ``options`` are EngineOptions fields or, for the rest, SchedulerOptions fields."""
+    engine_fields = {k: options.pop(k) for k in ("store_read_threads", "store_write_threads") if k in options}
+    options = EngineOptions(block_size=B, scheduler=SchedulerOptions(**options), **engine_fields)
+    return Engine.load(folder, options, store or MemoryStore(64 << 20), CacheStats(), "cpu", 2)
 
 
 def request(ids, n=24, seed=None, **cache) -> GenerationRequest:

@@ -18,6 +18,7 @@ from services.api.config import Settings
 from services.api.metrics import WorkerMetrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
+from services.engine.scheduler import SchedulerOptions
 from services.errors import StartupError
 
 log = logging.getLogger(__name__)
@@ -45,10 +46,10 @@ def load_engine(settings: Settings) -> Engine:
         log.warning("cache store %s is unreachable at start-up (%s: %s); serving anyway, computing every "
                     "prompt until it answers", store.name, type(exc).__name__, exc)
     options = EngineOptions(
-        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, max_batch=settings.max_batch,
-        kv_cache_bytes=settings.kv_cache_bytes, max_queued=settings.max_queued,
-        max_prefill_tokens_per_step=settings.max_prefill_tokens_per_step, max_unread_tokens=settings.max_unread_tokens,
-        max_paused_s=settings.max_paused_s,
+        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size,
+        scheduler=SchedulerOptions(settings.max_batch, settings.max_queued, settings.max_prefill_tokens_per_step,
+                                   settings.max_unread_tokens, settings.max_paused_s),
+        kv_cache_bytes=settings.kv_cache_bytes,
         store_read_threads=settings.store_read_threads, store_write_threads=settings.store_write_threads,
         max_value_bytes=settings.cache_max_value_bytes,
     )

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -66,20 +66,10 @@ class EngineOptions:
     max_new_tokens_cap: int = 4096
     block_size: int = 64
     """Tokens per shared cache block."""
-    max_batch: int = 0
-    """Sequences holding K/V at once (the decode batch's most rows); 0 derives it from
-    ``kv_cache_bytes`` (see ``derived_max_batch``)."""
+    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    """Batch, queue, prefill budget and back-pressure; ``max_batch`` 0 is derived from ``kv_cache_bytes``."""
     kv_cache_bytes: int = 2 << 30
-    """K/V memory budget of the slots when ``max_batch`` is 0 (bytes)."""
-    max_queued: int = 128
-    """Requests waiting for a slot; one more gets ``Overloaded`` at once."""
-    max_prefill_tokens_per_step: int = 256
-    """Prompt tokens prefilled between two decode steps (bounds the gap between tokens)."""
-    max_unread_tokens: int = 256
-    """A stream whose client has not read this many tokens pauses until it does."""
-    max_paused_s: float = 30.0
-    """A stream paused this long is ended (RESOURCE_EXHAUSTED), so a client that stops reading
-    cannot hold a slot forever."""
+    """K/V memory budget of the slots when ``scheduler.max_batch`` is 0 (bytes)."""
     store_read_threads: int = 4
     """Concurrent store lookups; never shared with publishes."""
     store_write_threads: int = 2
@@ -119,21 +109,18 @@ class Engine:
         self._write_pool = ThreadPoolExecutor(max_workers=options.store_write_threads, thread_name_prefix="kv-write")
         self._publish_lock = threading.Lock()
         self._pending_publishes: set[Future] = set()
-        max_batch = options.max_batch or derived_max_batch(
-            spec.kv_bytes_per_token(session.kv_dtype.itemsize), spec.context_length, options.kv_cache_bytes)
+        scheduling = options.scheduler
+        if not scheduling.max_batch:
+            scheduling = replace(scheduling, max_batch=derived_max_batch(
+                spec.kv_bytes_per_token(session.kv_dtype.itemsize), spec.context_length, options.kv_cache_bytes))
         self.request_observers: list[Callable[[Sequence, str, float], None]] = []
         """Called on the event loop once per request that ends: (sequence, outcome, seconds taken)."""
-        self.slots = open_slots(session, max_batch, spec.context_length)
-        self.scheduler = Scheduler(
-            self.slots,
-            SchedulerOptions(max_batch, options.max_queued, options.max_prefill_tokens_per_step, options.max_unread_tokens,
-                             options.max_paused_s),
-            self, self._read_pool,
-        )
-        log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", max_batch,
+        self.slots = open_slots(session, scheduling.max_batch, spec.context_length)
+        self.scheduler = Scheduler(self.slots, scheduling, self, self._read_pool)
+        log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", scheduling.max_batch,
                  "one batched decode run per step" if self.slots.batched
                  else "each row runs batch 1: no shared GQA past/present buffer in host memory for this graph",
-                 options.max_queued, options.max_prefill_tokens_per_step)
+                 scheduling.max_queued, scheduling.max_prefill_tokens_per_step)
 
     @classmethod
     def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
@@ -324,38 +311,39 @@ class Engine:
         self.stats.started += 1
         self.stats.active += 1
         text = TextStream(self.tokenizer, request.stop)
-        finished, finish = False, None
+        finish: FinishReason | None = None
         try:
-            while not finished:
+            while finish is None:
                 await seq.ready.wait()
                 seq.ready.clear()
                 items = seq.drain()
                 if not items:
                     continue
                 chunk = self._chunk(seq, items, text)
-                finished = chunk.finish_reason is not None
                 finish = chunk.finish_reason
-                if len(items) >= self.options.max_unread_tokens:
+                if len(items) >= self.scheduler.options.max_unread_tokens:
                     self.scheduler.wake()  # it may have paused this sequence: it can decode again
                 yield chunk
         finally:
             # Reached on completion, on an error, and when the consumer is cancelled or goes away.
             self.scheduler.abort(seq)
             self.stats.active -= 1
-            if finished:
+            if finish is not None:
                 self.stats.finished += 1
             else:
                 self.stats.cancelled += 1
-            self._log_request(seq, finish.value if finished else "cancelled or failed")
+            self._log_request(seq, finish)
 
-    def _log_request(self, seq: Sequence, outcome: str) -> None:
+    def _log_request(self, seq: Sequence, finish: FinishReason | None) -> None:
         """One line per request that reached the scheduler (what it asked, what the cache gave, what
-        it cost), and the same facts to every request observer (metrics)."""
+        it cost), and the same facts to every request observer (metrics). ``finish`` None: the
+        stream was cancelled or failed."""
         u, t = seq.usage, seq.timings
         total_s = time.perf_counter() - seq.t0
+        outcome = finish.value if finish is not None else "cancelled or failed"
         for observe in self.request_observers:
             observe(seq, outcome, total_s)
-        verb = "finished" if outcome != "cancelled or failed" else "stopped"
+        verb = "finished" if finish is not None else "stopped"
         log.info("request %s %s after %d generated tokens (%s)", seq.request_id, verb, u.completion_tokens, outcome,
                  extra={"fields": {
                      "request_id": seq.request_id, "outcome": outcome, "prompt_tokens": u.prompt_tokens,

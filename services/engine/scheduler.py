@@ -38,16 +38,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class SchedulerOptions:
-    max_batch: int
-    """Sequences holding a slot at once (fetching, prefilling or decoding)."""
-    max_queued: int
-    """Admitted sequences waiting for a slot; one more is refused with ``Overloaded``."""
-    max_prefill_tokens_per_step: int
-    """Prompt tokens prefilled per step, across all prefilling sequences."""
-    max_unread_tokens: int
+    max_batch: int = 0
+    """Sequences holding a slot at once (fetching, prefilling or decoding): the decode batch's most
+    rows. 0 lets the engine derive it from its K/V memory budget."""
+    max_queued: int = 128
+    """Admitted sequences waiting for a slot; one more is refused with ``Overloaded`` at once."""
+    max_prefill_tokens_per_step: int = 256
+    """Prompt tokens prefilled per step, across all prefilling sequences (bounds the gap between
+    the tokens of the streams already decoding)."""
+    max_unread_tokens: int = 256
     """A sequence whose consumer has this many tokens still to read sits out decode steps."""
     max_paused_s: float = 30.0
-    """A sequence paused this long (its client stopped reading) is ended, freeing its slot."""
+    """A sequence paused this long (its client stopped reading) is ended with ``Overloaded``,
+    freeing its slot."""
 
 
 @dataclass(slots=True)
@@ -213,7 +216,7 @@ class Scheduler:
             self._finish(seq)
         for seq in self._active:
             if seq.phase is Phase.DECODING:  # a client may have read since the sequence paused
-                self._set_paused(seq, len(seq.outbox) >= self.options.max_unread_tokens)
+                self._set_paused(seq, self._unread_full(seq))
         for seq in [s for s in self._active if s.paused and self._paused_too_long(s)]:
             self._fail(seq, Overloaded(
                 f"stream paused for {self.options.max_paused_s:g} s with {len(seq.outbox)} tokens unread "
@@ -225,7 +228,6 @@ class Scheduler:
         budget = self.options.max_prefill_tokens_per_step
         for seq in self._active:
             if seq.phase is Phase.DECODING:
-                self._set_paused(seq, len(seq.outbox) >= self.options.max_unread_tokens)
                 if not seq.paused:
                     plan.decode.append(seq)
             elif seq.phase is Phase.PREFILLING and budget > 0:
@@ -307,7 +309,7 @@ class Scheduler:
         if reason is None:
             seq.next_token = token
             seq.phase = Phase.DECODING
-            self._set_paused(seq, len(seq.outbox) >= self.options.max_unread_tokens)
+            self._set_paused(seq, self._unread_full(seq))
             return
         with self._cond:
             self.stats.finished += 1
@@ -324,6 +326,10 @@ class Scheduler:
         touched, self._touched = list(self._touched.values()), {}
         _wake_consumers(touched)
 
+    def _unread_full(self, seq: Sequence) -> bool:
+        """Whether the consumer has ``max_unread_tokens`` tokens still to read (the sequence pauses)."""
+        return len(seq.outbox) >= self.options.max_unread_tokens
+
     @staticmethod
     def _set_paused(seq: Sequence, paused: bool) -> None:
         if paused and not seq.paused:
@@ -336,7 +342,7 @@ class Scheduler:
     def _has_work(self) -> bool:
         return any(
             s.aborted or s.phase is Phase.PREFILLING
-            or (s.phase is Phase.DECODING and len(s.outbox) < self.options.max_unread_tokens)
+            or (s.phase is Phase.DECODING and not self._unread_full(s))
             or (s.paused and self._paused_too_long(s))
             for s in self._active
         ) or (bool(self._queue) and len(self._active) < self.options.max_batch)
