@@ -16,6 +16,8 @@ Layout (little-endian)::
 Blocks use the canonical layout ``[layers, 2 (k, v), kv_heads, block_tokens, head_dim]``.
 ``owner`` makes a value copied under another key (another namespace, another prefix) a miss.
 The checksum guards against corruption, not attackers (it is fast: it sits on the warm path).
+A tensor holding NaN or infinity is refused too: served, it would poison every later token of
+the request (and make sampling fail), and no real K/V holds one.
 Decoding never copies the payload: the tensor is a read-only view of the value's bytes.
 """
 
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, StrEnum
 
 import numpy as np
 import xxhash
@@ -43,8 +45,25 @@ _DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float16): 2}
 _DTYPE_OF = {code: dtype for dtype, code in _DTYPES.items()}
 
 
+class RejectReason(StrEnum):
+    """Why a stored value was refused; the metrics count rejected values by these names."""
+
+    FORMAT = "format"
+    """Not a value of this codec, version, kind, dtype or shape, or cut short."""
+    OWNER = "owner"
+    """A valid value stored under another key."""
+    CHECKSUM = "checksum"
+    """The payload does not match its checksum."""
+    NON_FINITE = "non_finite"
+    """The tensor holds NaN or infinity."""
+
+
 class CodecError(ValueError):
     """A stored value failed a check; the caller treats it as a miss and deletes it."""
+
+    def __init__(self, reason: RejectReason, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,21 +100,26 @@ def decode(value: bytes | memoryview, expected: Expected) -> np.ndarray:
         owner, length, checksum = _TAIL.unpack_from(view, offset)
         offset += _TAIL.size
     except struct.error as exc:
-        raise CodecError(f"truncated header ({len(view)} bytes)") from exc
+        raise CodecError(RejectReason.FORMAT, f"truncated header ({len(view)} bytes)") from exc
     if magic != MAGIC or version != VERSION:
-        raise CodecError(f"unknown format {magic!r} v{version}")
+        raise CodecError(RejectReason.FORMAT, f"unknown format {magic!r} v{version}")
     if kind != expected.kind:
-        raise CodecError(f"value kind {kind}, expected {int(expected.kind)}")
+        raise CodecError(RejectReason.FORMAT, f"value kind {kind}, expected {int(expected.kind)}")
     if owner != expected.owner:
-        raise CodecError("value belongs to another key")
+        raise CodecError(RejectReason.OWNER, "value belongs to another key")
     dtype = _DTYPE_OF.get(dtype_code)
     if dtype != expected.dtype:
-        raise CodecError(f"dtype code {dtype_code}, expected {expected.dtype}")
+        raise CodecError(RejectReason.FORMAT, f"dtype code {dtype_code}, expected {expected.dtype}")
     if expected.shape is not None and tuple(shape) != expected.shape:
-        raise CodecError(f"shape {tuple(shape)}, expected {expected.shape}")
+        raise CodecError(RejectReason.FORMAT, f"shape {tuple(shape)}, expected {expected.shape}")
     payload = view[offset:]
     if len(payload) != length or length != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-        raise CodecError(f"payload of {len(payload)} bytes, header says {length} for shape {tuple(shape)}")
+        raise CodecError(RejectReason.FORMAT, f"payload of {len(payload)} bytes, header says {length} for shape {tuple(shape)}")
     if xxhash.xxh3_128_digest(payload) != checksum:
-        raise CodecError("checksum mismatch")
-    return np.frombuffer(payload, dtype=dtype).reshape(shape)
+        raise CodecError(RejectReason.CHECKSUM, "checksum mismatch")
+    tensor = np.frombuffer(payload, dtype=dtype).reshape(shape)
+    # A full pass over the payload, like the checksum: 1.5 ms per 16 MiB here, about 5% of a
+    # 2048-token warm start, and the only guard against finite-checksummed garbage.
+    if not np.isfinite(tensor).all():
+        raise CodecError(RejectReason.NON_FINITE, "tensor holds NaN or infinity")
+    return tensor

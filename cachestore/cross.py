@@ -12,7 +12,7 @@ import logging
 
 import numpy as np
 
-from cachestore.codec import CodecError, Expected, ValueKind, decode, encode
+from cachestore.codec import CodecError, Expected, RejectReason, ValueKind, decode, encode
 from cachestore.keys import BlockHash, cross_key
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
@@ -39,9 +39,10 @@ class CrossStore:
         try:
             kv = decode(value, Expected(ValueKind.CROSS_KV, input_hash, dtype))
             if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (layers, 2, heads, head_dim):
-                raise CodecError(f"shape {kv.shape} does not fit {layers} layers x {heads} heads x {head_dim}")
+                raise CodecError(RejectReason.FORMAT, f"shape {kv.shape} does not fit {layers} layers x {heads} heads x {head_dim}")
         except CodecError as exc:
-            self.stats.add(corrupt_values=1, cross_misses=1)
+            self.stats.add(cross_misses=1)
+            self.stats.count("rejected_values", exc.reason)
             _rejected.warning("cache value %s rejected (%s); deleted, running the encoder instead", key, exc)
             self.store.delete([key])
             return None

@@ -74,7 +74,7 @@ class PrefixStore:
             try:
                 run.append(decode(value, Expected(ValueKind.PREFIX_BLOCK, h, self.geometry.dtype, shape)))
             except CodecError as exc:
-                self.stats.add(corrupt_values=1)
+                self.stats.count("rejected_values", exc.reason)
                 _rejected.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
                 self.store.delete([key])
                 break

@@ -16,6 +16,16 @@ from redis.cluster import RedisCluster
 from cachestore.store import KVStore
 
 
+# First match wins: authentication errors are connection errors to redis-py, OOM a response error.
+_ERROR_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
+    ("timeout", redis.TimeoutError),
+    ("auth", (redis.AuthenticationError, redis.exceptions.AuthorizationError, redis.exceptions.NoPermissionError)),
+    ("connection", redis.ConnectionError),
+    ("out_of_memory", redis.exceptions.OutOfMemoryError),
+    ("response", redis.ResponseError),
+)
+
+
 class RedisStore(KVStore):
     """``connect`` makes the client on first use, and again after it failed, so that a worker
     starts and serves while Redis (or the cluster's seed node) is still unreachable."""
@@ -63,6 +73,12 @@ class RedisStore(KVStore):
     def delete(self, keys: Sequence[str]) -> None:
         if keys:
             self._client.delete(*keys)
+
+    def error_kind(self, exc: Exception) -> str:
+        for kind, types in _ERROR_KINDS:
+            if isinstance(exc, types):
+                return kind
+        return "error"
 
     def ping(self) -> None:
         self._client.ping()

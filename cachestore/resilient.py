@@ -39,7 +39,7 @@ class ResilientStore(KVStore):
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - the store is an optimisation; any failure is a miss
-            self.stats.add(store_errors=1)
+            self.stats.count("store_errors", self.inner.error_kind(exc))
             breaker.failure()
             with self._lock:
                 first = kind not in self._failing

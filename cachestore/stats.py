@@ -8,21 +8,24 @@ from dataclasses import dataclass, field, fields
 
 @dataclass(slots=True)
 class CacheStats:
-    """Monotonic counters since start. ``add`` is thread-safe."""
+    """Monotonic counters since start; ``add`` and ``count`` are thread-safe. The two tables are
+    counts by a bounded label (a ``RejectReason``, a store's error kind), so metrics can split them."""
 
     block_hits: int = 0
     block_misses: int = 0
-    corrupt_values: int = 0
     cross_hits: int = 0
     cross_misses: int = 0
     values_too_large: int = 0
-    store_errors: int = 0
     short_circuited: int = 0
     blocks_written: int = 0
     publishes_dropped: int = 0
     bytes_read: int = 0
     bytes_sent: int = 0
     """Bytes of values sent to the store, including blocks it turned out to hold already."""
+    rejected_values: dict[str, int] = field(default_factory=dict)
+    """Stored values that failed a check (deleted, computed instead), by reason."""
+    store_errors: dict[str, int] = field(default_factory=dict)
+    """Store calls that failed (computed instead), by the store's error kind."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
@@ -30,6 +33,13 @@ class CacheStats:
             for name, delta in deltas.items():
                 setattr(self, name, getattr(self, name) + delta)
 
-    def snapshot(self) -> dict[str, int]:
+    def count(self, table: str, label: str, delta: int = 1) -> None:
+        """Adds ``delta`` to ``label``'s count in the table ``table`` (a dict field)."""
         with self._lock:
-            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+            counts = getattr(self, table)
+            counts[label] = counts.get(label, 0) + delta
+
+    def snapshot(self) -> dict[str, int | dict[str, int]]:
+        with self._lock:
+            return {f.name: (dict(v) if isinstance(v := getattr(self, f.name), dict) else v)
+                    for f in fields(self) if not f.name.startswith("_")}

@@ -36,6 +36,10 @@ class KVStore(ABC):
         """Set-if-absent for each item; returns how many were written."""
         return sum(self.put(k, v) for k, v in items)
 
+    def error_kind(self, exc: Exception) -> str:
+        """A short label for a failure this store raised (a metric label: a bounded set of names)."""
+        return "error"
+
     def ping(self) -> None:
         """Raises when the store cannot be reached."""
         self.get("kvshare:ping")

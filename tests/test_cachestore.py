@@ -56,8 +56,11 @@ def test_codec_round_trip_is_zero_copy():
     assert not tensor.flags.writeable and not tensor.flags.owndata
 
 
-@pytest.mark.parametrize("damage", ["flip payload", "flip header", "truncate", "extend", "other owner", "other kind", "empty"])
-def test_codec_rejects_damaged_values(damage):
+@pytest.mark.parametrize(("damage", "reason"), [
+    ("flip payload", "checksum"), ("flip header", "format"), ("truncate", "format"), ("extend", "format"),
+    ("other owner", "owner"), ("other kind", "format"), ("empty", "format"), ("nan", "non_finite"), ("inf", "non_finite"),
+])
+def test_codec_rejects_damaged_values(damage, reason):
     value = bytearray(encode(ValueKind.PREFIX_BLOCK, OWNER, BLOCK))
     if damage == "flip payload":
         value[-5] ^= 0x10
@@ -71,10 +74,15 @@ def test_codec_rejects_damaged_values(damage):
         value = bytearray(encode(ValueKind.PREFIX_BLOCK, b"x" * 32, BLOCK))
     elif damage == "other kind":
         value = bytearray(encode(ValueKind.CROSS_KV, OWNER, BLOCK))
+    elif damage in ("nan", "inf"):
+        bad = BLOCK.copy()
+        bad[1, 1, 1, 3, 7] = np.nan if damage == "nan" else -np.inf
+        value = bytearray(encode(ValueKind.PREFIX_BLOCK, OWNER, bad))
     else:
         value = bytearray()
-    with pytest.raises(CodecError):
+    with pytest.raises(CodecError) as raised:
         decode(bytes(value), EXPECT)
+    assert raised.value.reason == reason
 
 
 def test_memory_store_is_set_if_absent_and_bounded_in_bytes():
@@ -140,7 +148,7 @@ def test_unreachable_redis_is_a_miss_and_opens_the_breaker():
         assert store.put_many([("k", b"v")]) == 0
     snap = stats.snapshot()
     # Reads and writes each open their own breaker after two failures.
-    assert snap["store_errors"] == 4 and snap["short_circuited"] == 6
+    assert snap["store_errors"] == {"connection": 4} and snap["short_circuited"] == 6
 
 
 class RefusesWrites(MemoryStore):
@@ -199,3 +207,17 @@ def test_rejected_value_warnings_are_rate_limited(caplog):
         limited.warning("cache value %s rejected", "later")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["cache value 0 rejected", "cache value later rejected (and 245 more like it in the last 10 s)"]
+
+
+def test_a_full_redis_counts_out_of_memory_errors_and_still_serves_reads():
+    from services.local.redis_process import RedisServer
+
+    with RedisServer(extra_args=("--maxmemory", "1mb", "--maxmemory-policy", "noeviction")) as server:
+        stats = CacheStats()
+        store = open_store(server.url, StoreOptions(breaker=BreakerPolicy(1000, 60000, 60000)), stats)
+        assert store.put("small", b"x" * 1000)
+        for i in range(4):
+            store.put_many([(f"big-{i}-{j}", b"x" * (256 << 10)) for j in range(4)])
+        assert stats.snapshot()["store_errors"].get("out_of_memory", 0) >= 1
+        assert store.get("small") == b"x" * 1000
+        store.close()

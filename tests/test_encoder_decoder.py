@@ -92,7 +92,9 @@ def test_damaged_cross_value_is_a_miss_with_correct_output(replicas, redis_serve
             client.set(key, client.get(cross_key(a.encoder_input_hash("tenant-b", np.asarray([ENCODER_IDS], np.int64)))))
         tokens, usage = generate(b, decoder_ids, skip_write=True)
         assert not usage.encoder_cache_hit and tokens == expected
-        assert b.cache_stats.corrupt_values == 1 and client.get(key) is None
+        reason = {"flip": "checksum", "truncate": "format"}.get(damage, "owner")
+        assert b.cache_stats.rejected_values == {reason: 1}
+        assert client.get(key) is None
 
 
 def test_unreachable_store_still_answers(encdec_model, replicas):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from conftest import GENAI_FIXTURES, collect, record_margin
 
+from cachestore.codec import Expected, ValueKind, decode, encode
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import block_key
 from cachestore.memory import MemoryStore
@@ -93,9 +94,14 @@ def test_longer_prompt_reuses_a_shorter_prompts_blocks(replicas):
     assert answer == generate(b, system + prompt(11, seed=3), skip_read=True)[0]
 
 
-def _corrupt(client, key, how):
+def _corrupt(client, key, how, owner=b""):
     value = client.get(key)
-    if how == "flip":
+    if how == "nan":
+        # A well-formed value under the right owner, checksum and all: only its numbers are bad.
+        tensor = decode(value, Expected(ValueKind.PREFIX_BLOCK, owner, np.dtype(np.float32))).copy()
+        tensor[0, 0, 0, 0, :] = np.nan
+        client.set(key, encode(ValueKind.PREFIX_BLOCK, owner, tensor))
+    elif how == "flip":
         damaged = bytearray(value)
         damaged[len(damaged) // 2] ^= 0x01
         client.set(key, bytes(damaged))
@@ -105,13 +111,15 @@ def _corrupt(client, key, how):
         client.delete(key)
 
 
-@pytest.mark.parametrize("how", ["delete", "flip", "truncate", "foreign"])
-def test_gap_or_bad_block_in_the_middle_stops_reuse_there(replicas, redis_server, how):
+@pytest.mark.parametrize(("how", "reason"), [("delete", None), ("flip", "checksum"), ("truncate", "format"),
+                                             ("foreign", "owner"), ("nan", "non_finite")])
+def test_gap_or_bad_block_in_the_middle_stops_reuse_there(replicas, redis_server, how, reason):
     a, b = replicas
     ids = prompt(6 * B + 3, seed=9)
     cold, _ = generate(b, ids, skip_read=True, skip_write=True)
     generate(a, ids)
-    keys = [block_key(h) for h in a.prefix.hashes(a.namespace(""), ids)]
+    hashes = a.prefix.hashes(a.namespace(""), ids)
+    keys = [block_key(h) for h in hashes]
     with redis_server.client() as client:
         if how == "foreign":
             # A well-formed value from another namespace (salt) copied under this namespace's key.
@@ -119,12 +127,12 @@ def test_gap_or_bad_block_in_the_middle_stops_reuse_there(replicas, redis_server
             foreign = client.get(block_key(a.prefix.hashes(a.namespace("other-tenant"), ids)[3]))
             client.set(keys[3], foreign)
         else:
-            _corrupt(client, keys[3], how)
+            _corrupt(client, keys[3], how, hashes[3])
         answer, last = generate(b, ids, skip_write=True)
         assert last.usage.cached_prompt_tokens == 3 * B
         assert answer == cold
-        if how != "delete":
-            assert b.cache_stats.corrupt_values == 1
+        assert b.cache_stats.rejected_values == ({reason: 1} if reason else {})
+        if reason:
             assert client.get(keys[3]) is None, "a bad value is deleted"
 
 

@@ -358,3 +358,5 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
     assert samples["kvshare_requests_running[]"] == 0 and samples["kvshare_requests_rejected_total[]"] == 0
     assert samples["kvshare_cache_breaker_open[('direction', 'reads')]"] == 0
     assert samples["kvshare_cache_blocks_written_total[]"] == 2
+    for reason in ("format", "owner", "checksum", "non_finite"):  # every reason is a series from the start
+        assert samples[f"kvshare_cache_values_rejected_total[('reason', '{reason}')]"] == 0

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from cachestore.breaker import BreakerState
+from cachestore.codec import RejectReason
 from cachestore.resilient import ResilientStore
 from cachestore.tiered import TieredStore
 from services.engine.engine import Engine
@@ -31,7 +32,6 @@ _CACHE_COUNTERS = {
     "blocks_written": ("kvshare_cache_blocks_written", "Prefix blocks the store did not have and now has."),
     "publishes_dropped": ("kvshare_cache_publishes_dropped", "Publishes dropped because too many were pending."),
     "values_too_large": ("kvshare_cache_values_too_large", "Cross-attention values not stored for their size."),
-    "store_errors": ("kvshare_cache_store_errors", "Store operations that failed (computed instead)."),
     "short_circuited": ("kvshare_cache_short_circuited", "Store operations skipped while a breaker was open."),
 }
 
@@ -63,8 +63,14 @@ class _EngineCollector(Collector):
                                   value=stats.prefill_tokens)
         rejected = CounterMetricFamily("kvshare_cache_values_rejected",
                                        "Stored values that failed a check (deleted, computed instead).", labels=["reason"])
-        rejected.add_metric(["format_or_checksum"], cache["corrupt_values"])
+        for reason in RejectReason:
+            rejected.add_metric([reason.value], cache["rejected_values"].get(reason, 0))
         yield rejected
+        errors = CounterMetricFamily("kvshare_cache_store_errors", "Store calls that failed (computed instead), by kind.",
+                                     labels=["kind"])
+        for kind, count in sorted(cache["store_errors"].items()):
+            errors.add_metric([kind], count)
+        yield errors
         for field, (name, help_text) in _CACHE_COUNTERS.items():
             yield CounterMetricFamily(name, help_text, value=cache[field])
         store = _resilient(engine.store)
