@@ -23,7 +23,7 @@ import asyncio
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -37,6 +37,7 @@ from bench.fleet import (
     parse_args,
     print_table,
 )
+from bench.traffic import StreamResult, stream
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.local.worker_process import WorkerProcess
@@ -44,18 +45,6 @@ from services.local.worker_process import WorkerProcess
 DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "batch.png"
 ROWS = 16
 PROMPT_TOKENS = 256
-
-
-@dataclass(slots=True)
-class StreamResult:
-    sent: float
-    arrivals: list[float] = field(default_factory=list)
-    """perf_counter() of each token's arrival (tokens of one message share its time)."""
-    tokens: list[int] = field(default_factory=list)
-
-    @property
-    def ttft(self) -> float:
-        return self.arrivals[0] - self.sent
 
 
 @dataclass(slots=True)
@@ -79,13 +68,10 @@ def kvshare_load(target: str, prompts: list[list[int]], new_tokens: list[int],
     async def one(stub, prompt: list[int], n: int, delay: float) -> StreamResult:
         if delay:
             await asyncio.sleep(delay)
-        result = StreamResult(time.perf_counter())
         request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, ignore_eos=True,
                                      cache=pb.CacheOptions(skip_read=True, skip_write=True))
-        async for message in stub.Generate(request, timeout=600):
-            now = time.perf_counter()
-            result.arrivals.extend([now] * len(message.token_ids))
-            result.tokens.extend(message.token_ids)
+        result = await stream(stub, request, timeout_s=600)
+        assert result.status == grpc.StatusCode.OK, f"a benchmark stream ended {result.status.name}"
         return result
 
     async def run() -> LoadResult:

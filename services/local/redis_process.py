@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -50,7 +51,8 @@ def free_cluster_port() -> int:
 
 
 class RedisServer:
-    """One redis-server without persistence. ``kill()`` / ``start()`` simulate an outage on the same port."""
+    """One redis-server without persistence. ``kill()`` / ``start()`` simulate an outage on the same
+    port, ``pause()`` / ``resume()`` a server that hangs."""
 
     def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.port = port or free_port()
@@ -88,8 +90,16 @@ class RedisServer:
             self._process.kill()
             self._process.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its connections open and answers nothing (a hung host)."""
+        self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._process.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
         if self._process and self._process.poll() is None:
+            self._process.send_signal(signal.SIGCONT)
             self._process.terminate()
             try:
                 self._process.wait(5)
