@@ -90,6 +90,7 @@ class Fleet:
     client: redis.Redis
     stubs: list[pb_grpc.GeneratorStub]
     block_size: int
+    workers: list[WorkerProcess]
 
 
 @contextmanager
@@ -104,7 +105,7 @@ def fleet(model: BenchModel, replicas: int = 2, block_size: int = 64, redis_serv
                 *extra_args)
         workers = [stack.enter_context(WorkerProcess(model.folder, *args)) for _ in range(replicas)]
         stubs = [pb_grpc.GeneratorStub(stack.enter_context(grpc.insecure_channel(w.target))) for w in workers]
-        yield Fleet(server, client, stubs, block_size)
+        yield Fleet(server, client, stubs, block_size, workers)
 
 
 def first_token(stub: pb_grpc.GeneratorStub, prompt: list[int], skip_cache: bool = False) -> pb.GenerateResponse:

@@ -115,6 +115,11 @@ class Workload:
         return [complete(stub, self.request(q, cold=True), timeout_s).token_ids for q in range(len(self.questions))]
 
 
+def judge(result: StreamResult, references: list[list[int]]) -> None:
+    """Marks ``result`` wrong if it ended OK with other tokens than its question's cold answer."""
+    result.wrong = result.status == grpc.StatusCode.OK and result.tokens != references[result.question]
+
+
 class Traffic:
     """``clients`` concurrent callers, round-robin over ``targets``, each asking the workload's
     questions in turn until ``stop()``; every answer is compared with ``references``. Use as a
@@ -145,7 +150,7 @@ class Traffic:
             question = next(self._next) % len(self.workload.questions)
             result = StreamResult(time.perf_counter(), question=question)
             await stream(stub, self.workload.request(question), self.timeout_s, result)
-            result.wrong = result.status == grpc.StatusCode.OK and result.tokens != self.references[question]
+            judge(result, self.references)
             with self._done:
                 self.results.append(result)
                 self._done.notify_all()
@@ -174,12 +179,20 @@ class Traffic:
         self.stop()
 
 
-def burst(target: str, requests: Sequence[pb.GenerateRequest], timeout_s: float) -> list[StreamResult]:
-    """Sends every request at once over one channel and waits for all of them to end."""
+def burst(target: str, workload: Workload, references: list[list[int]], count: int,
+          timeout_s: float) -> list[StreamResult]:
+    """Sends ``count`` of the workload's requests at once over one channel, waits for all of them
+    to end, and judges each answer."""
 
     async def run() -> list[StreamResult]:
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.GeneratorStub(channel)
-            return list(await asyncio.gather(*(stream(stub, r, timeout_s) for r in requests)))
+            sent = time.perf_counter()
+            questions = [i % len(workload.questions) for i in range(count)]
+            return list(await asyncio.gather(*(
+                stream(stub, workload.request(q), timeout_s, StreamResult(sent, question=q)) for q in questions)))
 
-    return asyncio.run(run())
+    results = asyncio.run(run())
+    for result in results:
+        judge(result, references)
+    return results

@@ -68,6 +68,9 @@ def _redis_connector(url: str, options: StoreOptions) -> tuple[Callable[[], redi
 
 def open_store(url: str, options: StoreOptions, stats: CacheStats) -> KVStore:
     """The store for ``url``; failures of a shared tier are absorbed by a ResilientStore."""
+    if "://" not in url:
+        raise StoreURLError(f"cache URL {url!r} has no scheme: use memory://, redis://HOST:PORT[/DB], "
+                            "rediss://…, unix:///PATH, redis+cluster://HOST:PORT or tiered+ before a Redis URL")
     scheme = urlsplit(url).scheme
     if scheme == "memory":
         return MemoryStore(options.memory_max_bytes)
@@ -76,8 +79,8 @@ def open_store(url: str, options: StoreOptions, stats: CacheStats) -> KVStore:
         url, scheme = url[len("tiered+"):], scheme[len("tiered+"):]
     if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         raise StoreURLError(
-            f"cache URL scheme {scheme!r} is not one of memory, redis, rediss, unix, redis+cluster, "
-            "rediss+cluster (optionally prefixed with tiered+)"
+            f"cache URL scheme {scheme!r} is not one of memory://, redis://, rediss://, unix://, redis+cluster://, "
+            "rediss+cluster:// (a Redis one optionally prefixed with tiered+)"
         )
     connect, name = _redis_connector(url, options)
     shared = ResilientStore(RedisStore(connect, options.ttl_s, name), stats, options.breaker)

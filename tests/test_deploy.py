@@ -22,6 +22,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
+from urllib.request import urlopen
 
 import dockerfile
 import pytest
@@ -35,6 +36,7 @@ pytestmark = pytest.mark.deploy
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kvshare"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
+DASHBOARD = CHART / "dashboards" / "kvshare.json"
 RELEASE, NAMESPACE = "kvshare", "inference"
 
 OLDEST_KUBERNETES = "1.29.0"
@@ -69,6 +71,10 @@ VALUE_SETS: dict[str, ValueSet] = {
         "auth": {"existingSecret": "kvshare-redis"},
     }}),
     "autoscaling": ValueSet({"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8}}),
+    "monitoring": ValueSet({"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
+                                        "grafanaDashboard": {"enabled": True}}}),
+    "metrics-off": ValueSet({"metrics": {"enabled": False, "podMonitor": {"enabled": True},
+                                         "grafanaDashboard": {"enabled": True}}}),
     "model-pvc": ValueSet({"model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "small"}}}),
     "model-baked": ValueSet({"model": {"source": "baked"}}),
     # The `image` volume source exists from Kubernetes 1.31 (the chart refuses older clusters).
@@ -183,7 +189,8 @@ def test_helm_lint_strict(helm, name):
 
 
 def test_every_value_set_renders_the_expected_resources(rendered):
-    common = ["ConfigMap", "Deployment", "Service", "Service", "ServiceAccount", "PodDisruptionBudget"]
+    # The workers' NetworkPolicy fences their metrics port.
+    common = ["ConfigMap", "Deployment", "Service", "Service", "ServiceAccount", "PodDisruptionBudget", "NetworkPolicy"]
     builtin_redis = ["StatefulSet", "Service", "NetworkPolicy"]
     expected = {
         "defaults": common + builtin_redis,
@@ -192,6 +199,8 @@ def test_every_value_set_renders_the_expected_resources(rendered):
         "builtin-redis-off": common,
         "builtin-redis-on": common + builtin_redis,
         "autoscaling": common + builtin_redis + ["HorizontalPodAutoscaler"],
+        "monitoring": common + builtin_redis + ["PodMonitor", "ConfigMap"],
+        "metrics-off": [k for k in common if k != "NetworkPolicy"] + builtin_redis,
         "model-pvc": common + builtin_redis,
         "model-baked": common + builtin_redis,
         "model-image": common + builtin_redis,
@@ -209,7 +218,10 @@ def test_manifests_pass_kubernetes_validate_strict(rendered, tmp_path):
         versions = tuple(_kube_version(v) for v in VALUE_SETS[name].kube_versions)
         bucket = by_versions.setdefault(versions, {})
         for doc in docs:
-            bucket.setdefault(yaml.safe_dump(doc, sort_keys=True), doc)
+            # The Prometheus Operator's CRDs are not Kubernetes' own: their documents are checked
+            # by test_pod_monitor_scrapes_the_worker_metrics_port instead.
+            if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
+                bucket.setdefault(yaml.safe_dump(doc, sort_keys=True), doc)
     for i, (versions, docs) in enumerate(by_versions.items()):
         path = tmp_path / f"manifests-{i}.yaml"
         path.write_text(yaml.safe_dump_all(list(docs.values()), sort_keys=False))
@@ -272,7 +284,7 @@ def test_headless_service_selects_the_workers(rendered):
 
 def test_network_policy_admits_only_worker_pods_to_redis(rendered):
     docs = rendered["defaults"]
-    policy = find(docs, "NetworkPolicy")["spec"]
+    policy = find(docs, "NetworkPolicy", "kvshare-redis")["spec"]
     redis = find(docs, "StatefulSet")["spec"]["template"]
     worker_labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     redis_labels = redis["metadata"]["labels"]
@@ -290,6 +302,95 @@ def test_network_policy_admits_only_worker_pods_to_redis(rendered):
     assert rule["ports"] == [{"protocol": "TCP", "port": redis_port}]
     # Policy and Service agree on the port the workers dial.
     assert find(docs, "Service", "kvshare-redis")["spec"]["ports"][0]["port"] == redis_port == 6379
+
+
+def _container_port(docs: list[dict], name: str) -> int:
+    return next(p["containerPort"] for p in worker_container(docs)["ports"] if p["name"] == name)
+
+
+def test_network_policy_admits_only_scrapers_to_the_metrics_port(rendered):
+    docs = rendered["defaults"]
+    policy = find(docs, "NetworkPolicy", "kvshare-workers")["spec"]
+    worker_labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["podSelector"]["matchLabels"], worker_labels) and policy["policyTypes"] == ["Ingress"]
+    grpc_rule, metrics_rule = policy["ingress"]
+    # gRPC: every client (no `from`); metrics: only pods labelled as Prometheus.
+    assert grpc_rule == {"ports": [{"protocol": "TCP", "port": _container_port(docs, "grpc")}]}
+    assert metrics_rule["ports"] == [{"protocol": "TCP", "port": _container_port(docs, "metrics")}]
+    [peer] = metrics_rule["from"]
+    assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert not selects(peer["podSelector"]["matchLabels"], worker_labels)
+
+
+def test_pod_monitor_scrapes_the_worker_metrics_port(rendered):
+    docs = rendered["monitoring"]
+    monitor = find(docs, "PodMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["metadata"]["labels"]["release"] == "kps"
+    worker_labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert selects(monitor["spec"]["selector"]["matchLabels"], worker_labels)
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    _container_port(docs, "metrics")  # the port name it scrapes exists
+    # No Service exposes the metrics port.
+    for service in (d for d in docs if d["kind"] == "Service"):
+        assert _container_port(docs, "metrics") not in [p["port"] for p in service["spec"]["ports"]]
+
+
+def test_grafana_dashboard_configmap_holds_the_dashboard_file(rendered):
+    maps = [d for d in rendered["monitoring"] if d["kind"] == "ConfigMap" and d["metadata"]["name"].endswith("-dashboard")]
+    [dashboard] = maps
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(dashboard["data"]["kvshare.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def _selector_names(node) -> set[str]:
+    """Metric names of every vector selector in a parsed PromQL expression."""
+    import promql_parser
+
+    if isinstance(node, promql_parser.VectorSelector):
+        return {node.name}
+    children = {
+        promql_parser.MatrixSelector: lambda n: [n.vector_selector],
+        promql_parser.Call: lambda n: n.args,
+        promql_parser.AggregateExpr: lambda n: [n.expr, n.param],
+        promql_parser.BinaryExpr: lambda n: [n.lhs, n.rhs],
+        promql_parser.ParenExpr: lambda n: [n.expr],
+        promql_parser.UnaryExpr: lambda n: [n.expr],
+        promql_parser.SubqueryExpr: lambda n: [n.expr],
+    }.get(type(node), lambda n: [])(node)
+    return set().union(*(_selector_names(c) for c in children if c is not None))
+
+
+@pytest.mark.subprocess
+def test_dashboard_queries_parse_and_name_metrics_a_worker_serves(tiny_model, redis_url):
+    import promql_parser
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from services.local.redis_process import free_port
+    from services.local.worker_process import WorkerProcess
+
+    port = free_port()
+    with WorkerProcess(tiny_model, "--metrics-port", str(port), "--cache", redis_url):
+        text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"], "gauge": [""]}
+    served = {f.name + suffix for f in text_string_to_metric_families(text) for suffix in suffixes.get(f.type, [""])}
+
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "job"} <= variables
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len({p["id"] for p in dashboard["panels"]}) == len(dashboard["panels"])
+    titles = " ".join(p["title"] for p in panels).lower()
+    for must in ("hit rate", "saved", "warm", "cold", "store errors", "rejected", "breakers"):
+        assert must in titles or must in " ".join(p.get("description", "") for p in panels), must
+    used = set()
+    for panel in panels:
+        assert panel["datasource"]["uid"] == "${datasource}" and panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            # Grafana substitutes its variables before Prometheus sees the query.
+            expr = target["expr"].replace("$__rate_interval", "5m")
+            used |= _selector_names(promql_parser.parse(expr))
+    assert used and used <= served, f"not served by a worker: {sorted(used - served)}"
 
 
 def test_redis_builtin_is_an_lru_cache_without_persistence(rendered):
@@ -321,7 +422,8 @@ def test_redis_password_comes_from_the_existing_secret(rendered):
 
 def test_external_redis_with_secret_and_tls(rendered):
     docs = rendered["external-redis-secret"]
-    assert not [d for d in docs if d["kind"] in ("StatefulSet", "NetworkPolicy")]
+    assert not [d for d in docs if d["kind"] == "StatefulSet"]
+    assert [d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"] == ["kvshare-workers"]
     container = worker_container(docs)
     env = container["env"]
     # Kubernetes expands $(REDIS_PASSWORD) only from variables defined before the one using it.

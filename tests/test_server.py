@@ -206,13 +206,14 @@ def test_second_worker_on_a_taken_port_refuses_to_start(worker, tiny_model):
     still_serves_on(worker)
 
 
-@pytest.mark.parametrize("url", ["memcached://cache:11211", "memory"])
-def test_bad_cache_url_is_one_line(tiny_model, url):
+@pytest.mark.parametrize(("url", "says"), [("memcached://cache:11211", "is not one of memory://, redis"),
+                                           ("memory", "has no scheme: use memory://, redis")])
+def test_bad_cache_url_is_one_line(tiny_model, url, says):
     proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tiny_model), "--port", "0",
                            "--cache", url], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
-    assert proc.stderr.strip().count("\n") == 0 and "is not one of memory, redis" in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0 and says in proc.stderr
 
 
 def still_serves_on(worker) -> None:
@@ -354,7 +355,8 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
     assert samples["kvshare_generation_tokens_total[]"] == 10
     assert samples["kvshare_prefix_cache_queries_total[]"] == 80
     assert samples["kvshare_prefix_cache_hits_total[]"] == 32  # two full 16-token blocks of 40
-    assert samples["kvshare_time_to_first_token_seconds_count[]"] == 2
+    assert samples["kvshare_time_to_first_token_seconds_count[('prefix_cache', 'miss')]"] == 1
+    assert samples["kvshare_time_to_first_token_seconds_count[('prefix_cache', 'hit')]"] == 1
     assert samples["kvshare_requests_running[]"] == 0 and samples["kvshare_requests_rejected_total[]"] == 0
     assert samples["kvshare_cache_breaker_open[('direction', 'reads')]"] == 0
     assert samples["kvshare_cache_blocks_written_total[]"] == 2

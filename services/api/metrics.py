@@ -86,7 +86,9 @@ class WorkerMetrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ttft = Histogram("kvshare_time_to_first_token_seconds", "Time to first token.", buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("kvshare_time_to_first_token_seconds",
+                              "Time to first token; prefix_cache=hit when some prompt blocks came from the store.",
+                              ["prefix_cache"], buckets=_LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("kvshare_inter_token_latency_seconds", "Mean gap between a request's tokens.",
                              buckets=_GAP_BUCKETS, registry=r)
         self.e2e = Histogram("kvshare_e2e_request_latency_seconds", "Request time, received to last token.",
@@ -110,7 +112,7 @@ class WorkerMetrics:
             self.queries.inc(u.prompt_tokens)
             self.hits.inc(u.cached_prompt_tokens)
         if u.completion_tokens:
-            self.ttft.observe(t.time_to_first_token_ms / 1e3)
+            self.ttft.labels("hit" if u.cached_prompt_tokens else "miss").observe(t.time_to_first_token_ms / 1e3)
             self.e2e.observe(total_s)
             self.fetch.observe(t.cache_fetch_ms / 1e3)
         if u.completion_tokens > 1:

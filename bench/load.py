@@ -1,0 +1,138 @@
+"""Load on workers sharing one Redis: what completes, what is refused and how early, how fast the
+first token comes, and what it does to the workers' memory.
+
+- steady: N concurrent streams (default 64) for T seconds (default 60) over two workers; each
+  stream sends its next request when the last ends.
+- burst: B requests (default 1000) sent at once to one worker with a 30 s deadline. Admission
+  control must refuse what it cannot queue with RESOURCE_EXHAUSTED at once, and serve the rest
+  before their deadline: no CANCELLED, no DEADLINE_EXCEEDED.
+
+Every request is greedy: a shared system prompt plus one of 32 questions; each answer is compared
+with the same prompt computed cold ("wrong"). Worker RSS is sampled every 100 ms from /proc.
+
+    .venv/bin/python -m bench.load [--smoke] [--streams N] [--seconds T] [--burst B]
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from bench.fleet import FIRST_TOKEN_ID, BenchModel, bench_model, fleet, parse_args, print_table
+from bench.traffic import Summary, Traffic, Workload, burst
+
+BURST_DEADLINE_S = 30.0
+BLOCK_SIZE = 16
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+class RssSampler:
+    """Resident memory of processes, sampled every ``interval_s`` while the block runs (MiB)."""
+
+    def __init__(self, pids: list[int], interval_s: float = 0.1) -> None:
+        self._pids, self._interval = pids, interval_s
+        self.start = [rss_mib(p) for p in pids]
+        self.peak = list(self.start)
+        self.end = list(self.start)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.peak = [max(peak, rss_mib(p)) for peak, p in zip(self.peak, self._pids, strict=True)]
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.end = [rss_mib(p) for p in self._pids]
+        self.peak = [max(peak, end) for peak, end in zip(self.peak, self.end, strict=True)]
+
+    @property
+    def text(self) -> str:
+        return " / ".join(f"{s:.0f}→{p:.0f}→{e:.0f}" for s, p, e in zip(self.start, self.peak, self.end, strict=True))
+
+
+@dataclass(slots=True)
+class LoadResult:
+    name: str
+    conditions: str
+    summary: Summary
+    rss: RssSampler
+    refused_ms: float = 0.0
+    """Slowest answer among the requests refused with RESOURCE_EXHAUSTED (ms)."""
+
+    @property
+    def held(self) -> bool:
+        """No request failed for another reason than being refused at the door, none was wrong."""
+        return self.summary.wrong == 0 and set(self.summary.failed) <= {grpc.StatusCode.RESOURCE_EXHAUSTED.name}
+
+
+def workload_for(model: BenchModel, smoke: bool) -> Workload:
+    return Workload.random(np.random.default_rng(11), (FIRST_TOKEN_ID, model.vocab_size),
+                           system_tokens=128 if smoke else 512, questions=32, question_tokens=16, new_tokens=16)
+
+
+def run_load(model: BenchModel, smoke: bool, streams: int, seconds: float, burst_size: int) -> list[LoadResult]:
+    """The steady and the burst case, on one Redis and two workers (the burst goes to the first)."""
+    workload = workload_for(model, smoke)
+    with fleet(model, replicas=2, block_size=BLOCK_SIZE) as f:
+        targets = [w.target for w in f.workers]
+        pids = [w.pid for w in f.workers]
+        references = workload.references(f.stubs[0])
+        with RssSampler(pids) as rss, Traffic(targets, workload, references, streams) as traffic:
+            time.sleep(seconds)
+            steady = traffic.stop()
+        results = [LoadResult("steady load", f"{streams} streams for {seconds:g} s, 2 workers", steady, rss)]
+        with RssSampler(pids[:1]) as rss:
+            streams_ = burst(targets[0], workload, references, burst_size, BURST_DEADLINE_S)
+        refused = [s.ended - s.sent for s in streams_ if s.status == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        results.append(LoadResult("burst", f"{burst_size} requests at once, {BURST_DEADLINE_S:g} s deadline, 1 worker",
+                                  Summary.of(streams_), rss, max(refused, default=0.0) * 1e3))
+    return results
+
+
+HEADER = ("case", "load", "requests", "not OK, by status", "wrong", "TTFT p50 / p99 (ms)", "tokens/s",
+          "slowest refusal (ms)", "worker RSS start→peak→end (MiB)")
+
+
+def table_rows(results: list[LoadResult]) -> list[tuple]:
+    return [(r.name, r.conditions, r.summary.sent, r.summary.failed_text, r.summary.wrong,
+             f"{r.summary.ttft_p50_ms:.0f} / {r.summary.ttft_p99_ms:.0f}", f"{r.summary.tokens_per_s:.0f}",
+             f"{r.refused_ms:.0f}" if r.refused_ms else "-", r.rss.text) for r in results]
+
+
+def main() -> int:
+    def extra(parser) -> None:
+        parser.add_argument("--streams", type=int, default=None, help="steady concurrent streams (default 64; smoke 8)")
+        parser.add_argument("--seconds", type=float, default=None, help="steady duration (default 60; smoke 3)")
+        parser.add_argument("--burst", type=int, default=None, help="burst size (default 1000; smoke 200)")
+
+    args = parse_args(__doc__.splitlines()[0], extra)
+    model = bench_model(args.smoke)
+    results = run_load(model, args.smoke, args.streams or (8 if args.smoke else 64),
+                       args.seconds or (3.0 if args.smoke else 60.0), args.burst or (200 if args.smoke else 1000))
+    print_table(f"Load, model {model.preset}", HEADER, table_rows(results))
+    bad = [r.name for r in results if not r.held]
+    if bad:
+        print(f"\nFAILED: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
