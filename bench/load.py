@@ -2,7 +2,8 @@
 first token comes, and what it does to the workers' memory.
 
 - steady: N concurrent streams (default 64) for T seconds (default 60) over two workers; each
-  stream sends its next request when the last ends.
+  stream sends its next request when the last ends. The system prompt is cached first, as it is
+  in a fleet that has been serving it.
 - burst: B requests (default 1000) sent at once to one worker with a 30 s deadline. Admission
   control must refuse what it cannot queue with RESOURCE_EXHAUSTED at once, and serve the rest
   before their deadline: no CANCELLED, no DEADLINE_EXCEEDED.
@@ -24,8 +25,17 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.fleet import FIRST_TOKEN_ID, BenchModel, bench_model, fleet, parse_args, print_table
+from bench.fleet import (
+    FIRST_TOKEN_ID,
+    BenchModel,
+    bench_model,
+    fleet,
+    parse_args,
+    print_table,
+    wait_for_keys,
+)
 from bench.traffic import Summary, Traffic, Workload, burst
+from services.api.client import complete
 
 BURST_DEADLINE_S = 30.0
 BLOCK_SIZE = 16
@@ -91,10 +101,13 @@ def workload_for(model: BenchModel, smoke: bool) -> Workload:
 def run_load(model: BenchModel, smoke: bool, streams: int, seconds: float, burst_size: int) -> list[LoadResult]:
     """The steady and the burst case, on one Redis and two workers (the burst goes to the first)."""
     workload = workload_for(model, smoke)
-    with fleet(model, replicas=2, block_size=BLOCK_SIZE) as f:
+    # The smoke burst of 200 on the tiny model fits the default queue; a short one makes it refuse.
+    with fleet(model, replicas=2, block_size=BLOCK_SIZE, extra_args=("--max-queued", "16") if smoke else ()) as f:
         targets = [w.target for w in f.workers]
         pids = [w.pid for w in f.workers]
         references = workload.references(f.stubs[0])
+        complete(f.stubs[0], workload.request(0), timeout_s=300)
+        wait_for_keys(f.client, len(workload.system) // BLOCK_SIZE)
         with RssSampler(pids) as rss, Traffic(targets, workload, references, streams) as traffic:
             time.sleep(seconds)
             steady = traffic.stop()

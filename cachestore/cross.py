@@ -12,7 +12,14 @@ import logging
 
 import numpy as np
 
-from cachestore.codec import CodecError, Expected, RejectReason, ValueKind, decode, encode
+from cachestore.codec import (
+    CodecError,
+    Expected,
+    RejectReason,
+    ValueKind,
+    decode,
+    encode,
+)
 from cachestore.keys import BlockHash, cross_key
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats

@@ -15,7 +15,6 @@ from redis.cluster import RedisCluster
 
 from cachestore.store import KVStore
 
-
 # First match wins: authentication errors are connection errors to redis-py, OOM a response error.
 _ERROR_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
     ("timeout", redis.TimeoutError),
