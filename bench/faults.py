@@ -127,7 +127,7 @@ class Lab:
             self.references = workload.references(pb_grpc.GeneratorStub(channel))
         self.rng = random.Random(0)
 
-    def run(self, name: str, settle: int = 2 * CLIENTS) -> CaseResult:
+    def run(self, name: str, settle: int) -> CaseResult:
         """Runs one case of ``CASES`` on an empty store."""
         self.client.flushall()
         with Traffic([w.target for w in self.workers], self.workload, self.references, CLIENTS) as traffic:
@@ -253,6 +253,11 @@ CASES: dict[str, Case] = {
 }
 
 
+def settle_for(smoke: bool) -> int:
+    """Requests to let end per step: 2 per client for the smoke run and the tests, 8 for the record."""
+    return (2 if smoke else 8) * CLIENTS
+
+
 def workload_for(model: BenchModel, smoke: bool) -> Workload:
     """The shared-system-prompt workload: 8 questions of 16 tokens, 16 new tokens each."""
     return Workload.random(np.random.default_rng(7), (FIRST_TOKEN_ID, model.vocab_size),
@@ -276,7 +281,7 @@ def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
     model = bench_model(args.smoke)
     with lab(model, workload_for(model, args.smoke)) as the_lab:
-        results = [the_lab.run(name) for name in CASES]
+        results = [the_lab.run(name, settle_for(args.smoke)) for name in CASES]
     print_table(f"Faults under {CLIENTS} clients, 2 workers, model {model.preset}", HEADER, table_rows(results))
     bad = [r.name for r in results if not r.held]
     if bad:

@@ -16,7 +16,7 @@ def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
     model = bench_model(args.smoke)
     with faults.lab(model, faults.workload_for(model, args.smoke)) as lab:
-        fault_results = [lab.run(name) for name in faults.CASES]
+        fault_results = [lab.run(name, faults.settle_for(args.smoke)) for name in faults.CASES]
     load_results = load.run_load(model, args.smoke, streams=8 if args.smoke else 64,
                                  seconds=3.0 if args.smoke else 60.0, burst_size=200 if args.smoke else 1000)
     rows = [(r.name, r.injected, r.summary.sent, r.summary.failed_text, r.summary.wrong, f"the workers saw {r.seen_text}")

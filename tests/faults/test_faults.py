@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.faults import CASES, lab, workload_for
+from bench.faults import CASES, lab, settle_for, workload_for
 from bench.fleet import BenchModel
 
 pytestmark = pytest.mark.subprocess
@@ -22,7 +22,7 @@ def fault_lab(tiny_model):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_no_request_fails_or_differs_under_the_fault(fault_lab, name):
-    result = fault_lab.run(name)
+    result = fault_lab.run(name, settle_for(smoke=True))
     assert not result.summary.failed, f"failed requests: {result.summary.failed_text}"
     assert result.summary.wrong == 0, f"{result.summary.wrong} of {result.summary.sent} answers differ from cold"
     assert result.seen[CASES[name].sign] > 0, f"the fault never reached the workers (they saw {result.seen_text})"
