@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import random
 import sys
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -37,8 +36,9 @@ from bench.fleet import (
     bench_model,
     parse_args,
     print_table,
+    verdict,
 )
-from bench.traffic import Summary, Traffic, Workload
+from bench.traffic import Periodic, Summary, Traffic, Workload
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.local.redis_process import RedisServer, free_port
 from services.local.tcp_proxy import TcpProxy
@@ -84,28 +84,6 @@ def worker_events(metrics_ports: list[int]) -> Counter:
         if (label := _EVENT_METRICS.get(sample.name)) is not None:
             events[sample.labels[label]] += int(sample.value)
     return events
-
-
-class Injector:
-    """Calls ``step`` every ``interval_s`` on a thread of its own until the block ends; counts steps."""
-
-    def __init__(self, step: Callable[[], bool], interval_s: float = 0.005) -> None:
-        self.count = 0
-        self._step, self._interval = step, interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.count += self._step()
-
-    def __enter__(self) -> Injector:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 class Lab:
@@ -213,17 +191,17 @@ def redis_full(lab: Lab, traffic: Traffic, settle: int) -> str:
 def bit_flips(lab: Lab, traffic: Traffic, settle: int) -> str:
     # Every stored value once (so the next requests must meet damage), then random ones meanwhile.
     flipped = sum(lab.flip_bit(key) for key in lab.client.scan_iter(count=1000))
-    with Injector(lambda: lab.flip_bit(lab.random_key())) as injector:
+    with Periodic(lambda: lab.flip_bit(lab.random_key())) as periodic:
         traffic.wait_completed(settle)
-    return f"{flipped + injector.count} bit flips"
+    return f"{flipped + periodic.count} bit flips"
 
 
 def value_swaps(lab: Lab, traffic: Traffic, settle: int) -> str:
     keys = list(lab.client.scan_iter(count=1000))
     swapped = sum(lab.swap(a, b) for a, b in zip(keys[::2], keys[1::2], strict=False))
-    with Injector(lambda: lab.swap(lab.random_key(), lab.random_key())) as injector:
+    with Periodic(lambda: lab.swap(lab.random_key(), lab.random_key())) as periodic:
         traffic.wait_completed(settle)
-    return f"{swapped + injector.count} value swaps"
+    return f"{swapped + periodic.count} value swaps"
 
 
 def cut_fetches(lab: Lab, traffic: Traffic, settle: int) -> str:
@@ -283,10 +261,7 @@ def main() -> int:
     with lab(model, workload_for(model, args.smoke)) as the_lab:
         results = [the_lab.run(name, settle_for(args.smoke)) for name in CASES]
     print_table(f"Faults under {CLIENTS} clients, 2 workers, model {model.preset}", HEADER, table_rows(results))
-    bad = [r.name for r in results if not r.held]
-    if bad:
-        print(f"\nFAILED: {', '.join(bad)}", file=sys.stderr)
-    return 1 if bad else 0
+    return verdict(results)
 
 
 if __name__ == "__main__":

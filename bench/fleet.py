@@ -11,6 +11,7 @@ import argparse
 import json
 import shutil
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
@@ -167,3 +168,12 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[objec
     print("|" + "|".join("---:" for _ in header) + "|")
     for row in rows:
         print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")
+
+
+def verdict(results: Sequence) -> int:
+    """The exit code of a benchmark whose results each say whether they ``held`` (by ``name``):
+    0 when all did, else 1 with the names of those that did not on stderr."""
+    bad = [r.name for r in results if not r.held]
+    if bad:
+        print(f"\nFAILED: {', '.join(bad)}", file=sys.stderr)
+    return 1 if bad else 0

@@ -17,7 +17,6 @@ with the same prompt computed cold ("wrong"). Worker RSS is sampled every 100 ms
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +31,10 @@ from bench.fleet import (
     fleet,
     parse_args,
     print_table,
+    verdict,
     wait_for_keys,
 )
-from bench.traffic import Summary, Traffic, Workload, burst
+from bench.traffic import Periodic, Summary, Traffic, Workload, burst
 from services.api.client import complete
 
 BURST_DEADLINE_S = 30.0
@@ -52,24 +52,22 @@ class RssSampler:
     """Resident memory of processes, sampled every ``interval_s`` while the block runs (MiB)."""
 
     def __init__(self, pids: list[int], interval_s: float = 0.1) -> None:
-        self._pids, self._interval = pids, interval_s
+        self._pids = pids
         self.start = [rss_mib(p) for p in pids]
         self.peak = list(self.start)
         self.end = list(self.start)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._sampler = Periodic(self._sample, interval_s)
 
-    def _loop(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.peak = [max(peak, rss_mib(p)) for peak, p in zip(self.peak, self._pids, strict=True)]
+    def _sample(self) -> bool:
+        self.peak = [max(peak, rss_mib(p)) for peak, p in zip(self.peak, self._pids, strict=True)]
+        return True
 
     def __enter__(self) -> RssSampler:
-        self._thread.start()
+        self._sampler.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
+        self._sampler.__exit__(*exc)
         self.end = [rss_mib(p) for p in self._pids]
         self.peak = [max(peak, end) for peak, end in zip(self.peak, self.end, strict=True)]
 
@@ -96,6 +94,11 @@ class LoadResult:
 def workload_for(model: BenchModel, smoke: bool) -> Workload:
     return Workload.random(np.random.default_rng(11), (FIRST_TOKEN_ID, model.vocab_size),
                            system_tokens=128 if smoke else 512, questions=32, question_tokens=16, new_tokens=16)
+
+
+def default_sizes(smoke: bool) -> tuple[int, float, int]:
+    """Steady streams, steady seconds and burst size of the recorded run (or of a smoke run)."""
+    return (8, 3.0, 200) if smoke else (64, 60.0, 1000)
 
 
 def run_load(model: BenchModel, smoke: bool, streams: int, seconds: float, burst_size: int) -> list[LoadResult]:
@@ -138,13 +141,10 @@ def main() -> int:
 
     args = parse_args(__doc__.splitlines()[0], extra)
     model = bench_model(args.smoke)
-    results = run_load(model, args.smoke, args.streams or (8 if args.smoke else 64),
-                       args.seconds or (3.0 if args.smoke else 60.0), args.burst or (200 if args.smoke else 1000))
+    streams, seconds, burst_size = default_sizes(args.smoke)
+    results = run_load(model, args.smoke, args.streams or streams, args.seconds or seconds, args.burst or burst_size)
     print_table(f"Load, model {model.preset}", HEADER, table_rows(results))
-    bad = [r.name for r in results if not r.held]
-    if bad:
-        print(f"\nFAILED: {', '.join(bad)}", file=sys.stderr)
-    return 1 if bad else 0
+    return verdict(results)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -177,6 +177,29 @@ class Traffic:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class Periodic:
+    """Calls ``step`` every ``interval_s`` on a thread of its own while the ``with`` block runs;
+    ``count`` adds up what the calls returned (True counts 1: a fault made, a sample taken)."""
+
+    def __init__(self, step: Callable[[], bool | int], interval_s: float = 0.005) -> None:
+        self.count = 0
+        self._step, self._interval = step, interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._interval):
+            self.count += self._step()
+
+    def __enter__(self) -> Periodic:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def burst(target: str, workload: Workload, references: list[list[int]], count: int,
