@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -44,11 +44,17 @@ class PrefixLookup:
     hashes: list[BlockHash]
     """Chained hashes of every full block of the prompt."""
     blocks: list[np.ndarray]
-    """Canonical K/V of each block of the run: read-only views of the fetched values, no copy."""
+    """Canonical K/V of each block of the run: read-only views of the fetched values, no copy.
+    Emptied by ``release`` once they are copied into a slot."""
+    hit_blocks: int = field(init=False)
+    """Length of the run found (kept after ``release``)."""
 
-    @property
-    def hit_blocks(self) -> int:
-        return len(self.blocks)
+    def __post_init__(self) -> None:
+        self.hit_blocks = len(self.blocks)
+
+    def release(self) -> None:
+        """Drops the fetched values (they are in the slot now), keeping what was found."""
+        self.blocks = []
 
 
 class PrefixStore:

@@ -349,6 +349,8 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
                 time.sleep(0.01)
         complete(stub, request, timeout_s=30)
         text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        with redis_server.client() as client:
+            stored_bytes = sum(client.strlen(k) for k in client.keys())
     samples = {s.name + str(sorted(s.labels.items())): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples["kvshare_requests_total[('outcome', 'length')]"] == 2
@@ -360,5 +362,7 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
     assert samples["kvshare_requests_running[]"] == 0 and samples["kvshare_requests_rejected_total[]"] == 0
     assert samples["kvshare_cache_breaker_open[('direction', 'reads')]"] == 0
     assert samples["kvshare_cache_blocks_written_total[]"] == 2
+    # The warm request had no new full block: it sends nothing (the cached ones are not sent again).
+    assert samples["kvshare_cache_publish_bytes_total[]"] == stored_bytes
     for reason in ("format", "owner", "checksum", "non_finite"):  # every reason is a series from the start
         assert samples[f"kvshare_cache_values_rejected_total[('reason', '{reason}')]"] == 0

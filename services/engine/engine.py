@@ -245,7 +245,8 @@ class Engine:
                 self._in_background(lambda: self.cross.put(input_hash, cross))
         self.slots.begin(seq.slot, seq.lookup.blocks, seq.prefilled, cross)
         # The fetched values are in the slot now; do not hold them for the whole decode.
-        seq.lookup.blocks, seq.cross_kv = [], None
+        seq.lookup.release()
+        seq.cross_kv = None
         seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
 
     def prefilled(self, seq: Sequence) -> None:
