@@ -28,5 +28,11 @@ class Overloaded(KVShareError):
     down); the message says what was full. Decided at once, before any work is done."""
 
 
+class NumericalError(KVShareError):
+    """The model produced NaN or infinite logits for a request whose K/V was all computed by this
+    worker (cached K/V under suspicion is dropped and recomputed instead): a fault of the model or
+    the runtime, not of the client."""
+
+
 class StartupError(KVShareError):
     """The worker cannot start as configured (its address is taken, a setting is unusable)."""

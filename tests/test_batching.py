@@ -421,3 +421,75 @@ def test_settings_out_of_range_refuse_to_start(tiny_model):
                              ("--max-paused-s", "between 0.001 and 86400.0", "inf"), ("--block-size", "at least 1", "0")]:
         assert any(line.startswith(f"kvshare serve: {flag} (env KVSHARE_") and bound in line and line.endswith(f"got {got}")
                    for line in lines), (flag, proc.stderr)
+
+
+def test_nan_logits_over_cached_kv_drop_it_and_compute_the_prompt_cold(tiny_model):
+    """Values can pass every check and still be forged; if the first token's logits over them are
+    not finite, the request computes its whole prompt instead and the values are deleted. The NaN is
+    made by the runtime here (the test cannot forge K/V that passes the codec and yields NaN)."""
+    store = MemoryStore(64 << 20)
+    engine, solo = make_engine(tiny_model, store), make_engine(tiny_model)
+    ids = prompt(3 * B + 5, seed=77)
+    cold_tokens, cold_logits, _ = alone(solo, request(ids))
+    collect(engine, request(ids))  # publishes the 3 blocks
+    keys = [block_key(h) for h in engine.prefix.hashes(engine.namespace(""), ids)]
+    assert all(store.get(k) is not None for k in keys)
+
+    real_prefill, poisoned = engine.slots.prefill, []
+
+    def prefill(slot, tokens):
+        logits = real_prefill(slot, tokens)
+        if not poisoned:  # the warm request's only chunk: the 5 tokens after the cached blocks
+            poisoned.append(len(tokens))
+            logits = np.full_like(logits, np.nan)
+        return logits
+
+    engine.slots.prefill = prefill
+    tokens, logits, last = asyncio.run(run_stream(engine, request(ids)))
+    asyncio.run(engine.wait_for_publishes())
+    assert poisoned == [5]
+    assert tokens == cold_tokens and np.allclose(logits[0], cold_logits[0], atol=TOLERANCE)
+    assert last.usage.cached_prompt_tokens == 0
+    assert engine.cache_stats.rejected_values == {"bad_output": 1}
+    assert all(store.get(k) is None for k in keys), "the values it used are deleted, and nothing published"
+    engine.close()
+    solo.close()
+
+
+def test_nan_logits_without_cached_kv_fail_that_request_alone(tiny_model):
+    from services.errors import NumericalError
+
+    engine, solo = make_engine(tiny_model), make_engine(tiny_model)
+    # Greedy and sampled rows; each long enough that the streams overlap however they are admitted.
+    requests = [request(prompt(20 + 7 * i, seed=600 + i), n=40, seed=i if i % 2 else None, skip_read=True)
+                for i in range(4)]
+    real_decode, state = engine.slots.decode, {"victim": None}
+
+    def decode(slots, tokens):
+        logits = real_decode(slots, tokens)
+        if state["victim"] is None and len(slots) >= 2:  # one row of the first shared run goes bad, once
+            state["victim"] = slots[1]
+            logits[1] = np.nan
+        return logits
+
+    engine.slots.decode = decode
+
+    async def scenario():
+        async def guarded(req):
+            try:
+                return await run_stream(engine, req)
+            except NumericalError as exc:
+                return exc
+
+        return await asyncio.gather(*(guarded(r) for r in requests))
+
+    results = asyncio.run(scenario())
+    failed = [r for r in results if isinstance(r, NumericalError)]
+    assert state["victim"] is not None and len(failed) == 1, results
+    assert "NaN or infinite logits" in str(failed[0])
+    for req, result in zip(requests, results, strict=True):
+        if not isinstance(result, NumericalError):
+            assert result[0] == alone(solo, req)[0]
+    assert engine.scheduler.running == 0 and engine.slots.free == engine.slots.max_batch
+    engine.close()
+    solo.close()

@@ -59,6 +59,7 @@ def test_codec_round_trip_is_zero_copy():
 @pytest.mark.parametrize(("damage", "reason"), [
     ("flip payload", "checksum"), ("flip header", "format"), ("truncate", "format"), ("extend", "format"),
     ("other owner", "owner"), ("other kind", "format"), ("empty", "format"), ("nan", "non_finite"), ("inf", "non_finite"),
+    ("huge", "out_of_range"),
 ])
 def test_codec_rejects_damaged_values(damage, reason):
     value = bytearray(encode(ValueKind.PREFIX_BLOCK, OWNER, BLOCK))
@@ -74,15 +75,34 @@ def test_codec_rejects_damaged_values(damage, reason):
         value = bytearray(encode(ValueKind.PREFIX_BLOCK, b"x" * 32, BLOCK))
     elif damage == "other kind":
         value = bytearray(encode(ValueKind.CROSS_KV, OWNER, BLOCK))
-    elif damage in ("nan", "inf"):
+    elif damage in ("nan", "inf", "huge"):
         bad = BLOCK.copy()
-        bad[1, 1, 1, 3, 7] = np.nan if damage == "nan" else -np.inf
+        bad[1, 1, 1, 3, 7] = {"nan": np.nan, "inf": -np.inf, "huge": 3e38}[damage]
         value = bytearray(encode(ValueKind.PREFIX_BLOCK, OWNER, bad))
     else:
         value = bytearray()
     with pytest.raises(CodecError) as raised:
         decode(bytes(value), EXPECT)
     assert raised.value.reason == reason
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_codec_rejects_non_finite_float16(value):
+    block = BLOCK.astype(np.float16)
+    block[0, 1, 0, 2, 3] = value
+    expect = Expected(ValueKind.PREFIX_BLOCK, OWNER, np.dtype(np.float16), BLOCK.shape)
+    with pytest.raises(CodecError) as raised:
+        decode(encode(ValueKind.PREFIX_BLOCK, OWNER, block), expect)
+    assert raised.value.reason == "non_finite"
+
+
+def test_codec_accepts_the_largest_float16_values():
+    block = BLOCK.copy()
+    block[0, 0, 0, 0, :2] = (65504.0, -65504.0)
+    assert np.array_equal(decode(encode(ValueKind.PREFIX_BLOCK, OWNER, block), EXPECT), block)
+    expect16 = Expected(ValueKind.PREFIX_BLOCK, OWNER, np.dtype(np.float16), BLOCK.shape)
+    assert np.array_equal(decode(encode(ValueKind.PREFIX_BLOCK, OWNER, block.astype(np.float16)), expect16),
+                          block.astype(np.float16))
 
 
 def test_memory_store_is_set_if_absent_and_bounded_in_bytes():

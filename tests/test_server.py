@@ -364,5 +364,5 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
     assert samples["kvshare_cache_blocks_written_total[]"] == 2
     # The warm request had no new full block: it sends nothing (the cached ones are not sent again).
     assert samples["kvshare_cache_publish_bytes_total[]"] == stored_bytes
-    for reason in ("format", "owner", "checksum", "non_finite"):  # every reason is a series from the start
+    for reason in ("format", "owner", "checksum", "non_finite", "out_of_range", "bad_output"):  # a series each from the start
         assert samples[f"kvshare_cache_values_rejected_total[('reason', '{reason}')]"] == 0

@@ -23,9 +23,17 @@ from pathlib import Path
 
 import numpy as np
 
+from cachestore.codec import RejectReason
 from cachestore.cross import CrossStore
-from cachestore.keys import BlockHash, Namespace, encoder_input_hash
+from cachestore.keys import (
+    BlockHash,
+    Namespace,
+    block_key,
+    cross_key,
+    encoder_input_hash,
+)
 from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
+from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from services.engine.encoder_input import encoder_array
@@ -48,6 +56,8 @@ from services.runtime.slots import open_slots
 from services.runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
+# One line per 10 s however many poisoned prompts arrive; each is counted as bad_output.
+_distrusted = RateLimitedLog(log)
 
 
 @dataclass(slots=True)
@@ -260,6 +270,28 @@ class Engine:
         size = seq.namespace.block_size
         kv = self.slots.canonical(seq.slot, first * size, len(hashes) * size)
         self._in_background(lambda: self.prefix.publish(hashes, kv, first, size))
+
+    def distrust(self, seq: Sequence) -> bool:
+        """On the scheduler thread, when the first token's logits are NaN or infinite. Values that
+        pass the codec's checks can still be forged; if any of this request's K/V came from the
+        store, those values are deleted (off the token path), counted as ``bad_output``, and the
+        request computes its whole prompt, publishing nothing: the next request publishes afresh."""
+        hit, cross = seq.lookup.hit_blocks, seq.usage.encoder_cache_hit
+        if not hit and not cross:
+            return False
+        keys = [block_key(h) for h in seq.lookup.hashes[:hit]]
+        if cross:
+            keys.append(cross_key(seq.encoder_hash))
+        self.cache_stats.count("rejected_values", RejectReason.BAD_OUTPUT)
+        _distrusted.warning("request %s: NaN or infinite logits over %d values from the store; deleting them and "
+                            "computing the prompt again", seq.request_id, len(keys))
+        self._in_background(lambda: self.store.delete(keys))
+        seq.lookup = PrefixLookup(hashes=seq.lookup.hashes, blocks=[])
+        seq.prefilled = seq.usage.cached_prompt_tokens = 0
+        seq.usage.encoder_cache_hit = False
+        seq.cross_kv = None
+        seq.cache = replace(seq.cache, skip_write=True)
+        return True
 
     def _in_background(self, publish: Callable[[], object]) -> None:
         """Runs ``publish`` on the write threads; beyond ``max_pending_publishes`` waiting ones it is

@@ -30,7 +30,7 @@ import numpy as np
 
 from services.engine.generation import FinishReason
 from services.engine.sequence import Phase, Sequence
-from services.errors import Overloaded
+from services.errors import NumericalError, Overloaded
 from services.runtime.slots import SlotBank
 
 log = logging.getLogger(__name__)
@@ -93,6 +93,11 @@ class Hooks(Protocol):
 
     def prefilled(self, seq: Sequence) -> None:
         """On the scheduler thread, right after the last chunk: copies out blocks to publish."""
+
+    def distrust(self, seq: Sequence) -> bool:
+        """On the scheduler thread, when the first token's logits are NaN or infinite: if any K/V
+        came from the store, deletes those values, resets ``seq`` to compute its whole prompt and
+        returns True; False when nothing came from the store."""
 
 
 class Scheduler:
@@ -275,25 +280,44 @@ class Scheduler:
         seq.timings.prefill_ms += (time.perf_counter() - t) * 1e3
         if seq.prefilled < len(seq.prompt):
             return None
-        self._hooks.prefilled(seq)
+        if np.isfinite(logits).all():  # K/V whose logits blew up is never published (see _non_finite)
+            self._hooks.prefilled(seq)
         return logits
 
     def _sample(self, seqs: list[Sequence], logits: np.ndarray) -> None:
-        """Picks each row's token (greedy rows in one vectorised arg-max) and sends it out."""
+        """Picks each row's token (greedy rows in one vectorised arg-max) and sends it out. A row
+        whose logits are not all finite picks nothing (see ``_non_finite``); a row whose sampler
+        fails fails alone: the batch goes on."""
+        finite = np.isfinite(logits).all(axis=1)
         tokens = np.empty(len(seqs), dtype=np.int64)
         greedy = [i for i, s in enumerate(seqs) if s.sampler.config.greedy]
         if greedy:
             tokens[greedy] = np.argmax(logits[greedy], axis=1)
         for i, seq in enumerate(seqs):
+            if not finite[i]:
+                self._non_finite(seq)
+                continue
             if not seq.sampler.config.greedy:
                 try:
                     tokens[i] = seq.sampler(logits[i])
-                except ValueError as exc:  # e.g. non-finite logits: this row fails, the batch goes on
+                except Exception as exc:  # noqa: BLE001 - one row's failure must not end the others
+                    log.exception("sampling failed for request %s", seq.request_id)
                     self._fail_all([seq], exc)
                     continue
             if seq.return_logits:
                 seq.logits.append(logits[i].copy())
             self._emit(seq, int(tokens[i]))
+
+    def _non_finite(self, seq: Sequence) -> None:
+        """NaN or infinite logits. At the first token over K/V from the store, that K/V is the
+        suspect: the engine drops it and the prompt is computed again from its first token (the
+        client has seen nothing yet). Otherwise the model itself failed: this request fails."""
+        if seq.generated == 0 and self._hooks.distrust(seq):
+            seq.assembled = False
+            return
+        self._fail_all([seq], NumericalError(
+            f"the model produced NaN or infinite logits at generated token {seq.generated + 1}; "
+            "nothing was sent from them"))
 
     def _emit(self, seq: Sequence, token: int) -> None:
         seq.generated += 1
