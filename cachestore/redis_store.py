@@ -13,7 +13,20 @@ from collections.abc import Callable, Sequence
 import redis
 from redis.cluster import RedisCluster
 
-from cachestore.store import KVStore
+from cachestore.store import KVStore, StoreReplyError
+
+
+def _values(reply: object, count: int) -> list[bytes | None]:
+    """``reply`` if it is ``count`` values or nils, else StoreReplyError: whatever answers on the
+    Redis port, nothing but bytes or None leaves this class."""
+    if not isinstance(reply, list) or len(reply) != count:
+        raise StoreReplyError(f"expected {count} values, got {type(reply).__name__}"
+                              + (f" of {len(reply)}" if isinstance(reply, list) else ""))
+    for value in reply:
+        if value is not None and not isinstance(value, bytes):
+            raise StoreReplyError(f"expected a value or nil, got {type(value).__name__}")
+    return reply
+
 
 # First match wins: authentication errors are connection errors to redis-py, OOM a response error.
 _ERROR_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
@@ -22,6 +35,7 @@ _ERROR_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
     ("connection", redis.ConnectionError),
     ("out_of_memory", redis.exceptions.OutOfMemoryError),
     ("response", redis.ResponseError),
+    ("protocol", (StoreReplyError, redis.exceptions.InvalidResponse)),
 )
 
 
@@ -49,14 +63,14 @@ class RedisStore(KVStore):
         return isinstance(self._client, RedisCluster)
 
     def get(self, key: str) -> bytes | None:
-        return self._client.get(key)
+        return _values([self._client.get(key)], 1)[0]
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
         if self._cluster:
-            return self._client.mget_nonatomic(list(keys))
-        return self._client.mget(list(keys))
+            return _values(self._client.mget_nonatomic(list(keys)), len(keys))
+        return _values(self._client.mget(list(keys)), len(keys))
 
     def put(self, key: str, value: bytes) -> bool:
         return bool(self._client.set(key, value, nx=True, ex=self.ttl_s))

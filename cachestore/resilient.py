@@ -1,7 +1,8 @@
 """Wraps a store so that it can never fail a request: errors become misses and dropped writes.
 
 Every failure is counted; one log line is written per burst of failures (the first one, and a
-line when the store answers again); a circuit breaker stops calling a store that keeps failing and
+line when the store answers again), at most one of each per 10 s when failures and successes
+alternate; a circuit breaker stops calling a store that keeps failing and
 probes it again after a backoff. Reads and writes have a breaker each: a store that refuses writes
 (full, with ``noeviction``) still serves the blocks it holds.
 """
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from cachestore.breaker import BreakerPolicy, BreakerState, CircuitBreaker
+from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 
@@ -30,6 +32,7 @@ class ResilientStore(KVStore):
         self.name = inner.name
         self._failing: set[str] = set()
         self._lock = threading.Lock()
+        self._failing_log, self._recovered_log = RateLimitedLog(log), RateLimitedLog(log)
 
     def _call(self, breaker: CircuitBreaker, operation: str, fn: Callable[[], T], fallback: T) -> T:
         kind = "reads" if breaker is self.read_breaker else "writes"
@@ -45,14 +48,14 @@ class ResilientStore(KVStore):
                 first = kind not in self._failing
                 self._failing.add(kind)
             if first:
-                log.warning("cache store %s failing %s (%s: %s: %s); computing instead, breaker %s",
+                self._failing_log.warning("cache store %s failing %s (%s: %s: %s); computing instead, breaker %s",
                             self.name, kind, operation, type(exc).__name__, exc, breaker.state.value)
             return fallback
         with self._lock:
             recovered = kind in self._failing
             self._failing.discard(kind)
         if recovered:
-            log.warning("cache store %s answers %s again", self.name, kind)
+            self._recovered_log.warning("cache store %s answers %s again", self.name, kind)
         breaker.success()
         return result
 

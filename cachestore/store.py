@@ -11,6 +11,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 
+class StoreReplyError(Exception):
+    """The store answered something that is not a value (a hostile or broken server): a failure
+    like any other, never passed on."""
+
+
 class KVStore(ABC):
     """Abstract byte store. Batched methods loop over the single ones unless a backend overrides
     them with something better (pipelines, MGET)."""

@@ -1,0 +1,90 @@
+"""Something that is not Redis answers on the cache port: replies of the wrong type or length are
+store failures (counted as ``protocol``), never passed on, and every answer equals the cold one.
+The server here is a deliberately hostile stand-in speaking RESP, not a model of Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import numpy as np
+import pytest
+from conftest import collect
+
+from cachestore.factory import StoreOptions, open_store
+from cachestore.stats import CacheStats
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import CacheControl, GenerationRequest
+
+MGET_REPLIES = {
+    "integer": lambda n: b":5\r\n",
+    "nested arrays": lambda n: b"*%d\r\n" % n + b"*1\r\n$1\r\nx\r\n" * n,
+    "errors inside": lambda n: b"*%d\r\n" % n + b"-ERR no\r\n" * n,
+    "integers inside": lambda n: b"*%d\r\n" % n + b":1\r\n" * n,
+    "too short": lambda n: b"*%d\r\n" % (n - 1) + b"$-1\r\n" * (n - 1),
+    "too long": lambda n: b"*%d\r\n" % (n + 1) + b"$-1\r\n" * (n + 1),
+}
+
+
+class HostileServer:
+    """Greets redis-py's ``HELLO 3`` as a RESP3 server would, answers +OK to every other command
+    but MGET, whose reply ``mget(number of keys)`` makes."""
+
+    def __init__(self, mget) -> None:
+        self._mget = mget
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        reader = conn.makefile("rb")
+        try:
+            while line := reader.readline():
+                args = []
+                for _ in range(int(line[1:])):
+                    size = int(reader.readline()[1:])
+                    args.append(reader.read(size + 2)[:-2])
+                command = args[0].upper()
+                if command == b"HELLO":
+                    reply = b"%1\r\n+proto\r\n:3\r\n"
+                else:
+                    reply = self._mget(len(args) - 1) if command == b"MGET" else b"+OK\r\n"
+                conn.sendall(reply)
+        except (OSError, ValueError, IndexError):
+            pass
+        conn.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["redis", "tiered"])
+@pytest.mark.parametrize("reply", list(MGET_REPLIES))
+def test_malformed_replies_are_store_failures_never_answers(tiny_model, reply, tiered):
+    server = HostileServer(MGET_REPLIES[reply])
+    stats = CacheStats()
+    url = f"{'tiered+' if tiered else ''}redis://127.0.0.1:{server.port}"
+    store = open_store(url, StoreOptions(), stats)
+    engine = Engine.load(tiny_model, EngineOptions(block_size=16), store, stats, "cpu", 2)
+    try:
+        ids = np.random.default_rng(3).integers(3, 512, size=50).tolist()
+        cold = collect(engine, GenerationRequest(prompt_token_ids=ids, max_new_tokens=8, ignore_eos=True,
+                                                 cache=CacheControl(skip_read=True, skip_write=True)))[0]
+        for _ in range(2):  # a tiered store's L1 may serve the first request's own blocks to the second
+            tokens, last = collect(engine, GenerationRequest(prompt_token_ids=ids, max_new_tokens=8, ignore_eos=True))
+            assert tokens == cold
+            assert tiered or last.usage.cached_prompt_tokens == 0
+        assert set(stats.snapshot()["store_errors"]) == {"protocol"}
+    finally:
+        engine.close()
+        server.close()
+        asyncio.set_event_loop(None)
