@@ -366,3 +366,16 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
     assert samples["kvshare_cache_publish_bytes_total[]"] == stored_bytes
     for reason in ("format", "owner", "checksum", "non_finite", "out_of_range", "bad_output"):  # a series each from the start
         assert samples[f"kvshare_cache_values_rejected_total[('reason', '{reason}')]"] == 0
+
+
+def test_text_log_lines_cannot_be_forged_through_a_request_id():
+    import logging
+
+    from services.api.logs import TextFormatter
+
+    forged = "id\n2026-01-01 00:00:00,000 ERROR services.api.servicer: FORGED"
+    record = logging.LogRecord("services.engine.engine", logging.WARNING, __file__, 1, "request %s failed", (forged,), None)
+    record.fields = {"request_id": forged, "outcome": "length"}
+    line = TextFormatter().format(record)
+    assert "\n" not in line and "FORGED" in line
+    assert 'request_id="id\\n2026' in line and line.endswith("outcome=length")

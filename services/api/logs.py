@@ -14,15 +14,29 @@ from datetime import UTC, datetime
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+# Control characters (a newline in a client's request id) would let a client forge log lines.
+_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), 127]} | {10: "\\n", 13: "\\r", 9: "\\t"}
+
+
+def _field(value: object) -> str:
+    """``key=value`` values as logfmt writes them: bare when plain, else quoted and escaped."""
+    text = str(value)
+    if text and text.isprintable() and not any(c in text for c in ' "='):
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
 class TextFormatter(logging.Formatter):
+    """One line per record (a traceback follows on its own lines): what a client sent is escaped."""
+
     def __init__(self) -> None:
         super().__init__(_TEXT)
 
-    def format(self, record: logging.LogRecord) -> str:
-        line = super().format(record)
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        line = super().formatMessage(record).translate(_ESCAPES)
         fields = getattr(record, "fields", None)
         if fields:
-            line += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+            line += " " + " ".join(f"{k}={_field(v)}" for k, v in fields.items())
         return line
 
 
