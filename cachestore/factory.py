@@ -77,6 +77,11 @@ def open_store(url: str, options: StoreOptions, stats: CacheStats) -> KVStore:
     tiered = scheme.startswith("tiered+")
     if tiered:
         url, scheme = url[len("tiered+"):], scheme[len("tiered+"):]
+        if scheme == "memory":
+            raise StoreURLError("tiered+ goes before a Redis URL (tiered+redis://HOST:PORT); memory:// alone is "
+                                "already a worker-local cache")
+    if scheme in ("redis+cluster", "rediss+cluster") and not urlsplit(url).hostname:
+        raise StoreURLError(f"cache URL {url!r} names no seed node: use {scheme}://HOST:PORT")
     if scheme not in ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster"):
         raise StoreURLError(
             f"cache URL scheme {scheme!r} is not one of memory://, redis://, rediss://, unix://, redis+cluster://, "

@@ -10,6 +10,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+ERROR_KINDS = ("timeout", "connection", "auth", "out_of_memory", "response", "protocol", "error")
+"""Every label ``KVStore.error_kind`` may return (metrics show each from the start)."""
+
 
 class StoreReplyError(Exception):
     """The store answered something that is not a value (a hostile or broken server): a failure
@@ -42,7 +45,7 @@ class KVStore(ABC):
         return sum(self.put(k, v) for k, v in items)
 
     def error_kind(self, exc: Exception) -> str:
-        """A short label for a failure this store raised (a metric label: a bounded set of names)."""
+        """A short label for a failure this store raised: one of ``ERROR_KINDS``."""
         return "error"
 
     def ping(self) -> None:

@@ -39,8 +39,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def make_engine(folder, store=None, **options) -> Engine:
     """An engine on ``folder``; ``options`` are EngineOptions fields or, for the rest, SchedulerOptions fields."""
-    engine_fields = {k: options.pop(k) for k in ("store_read_threads", "store_write_threads") if k in options}
-    options = EngineOptions(block_size=B, scheduler=SchedulerOptions(**options), **engine_fields)
+    engine_fields = {"block_size": B} | {k: options.pop(k) for k in ("store_read_threads", "store_write_threads",
+                                                                      "block_size") if k in options}
+    options = EngineOptions(scheduler=SchedulerOptions(**options), **engine_fields)
     return Engine.load(folder, options, store or MemoryStore(64 << 20), CacheStats(), "cpu", 2)
 
 
@@ -493,3 +494,12 @@ def test_nan_logits_without_cached_kv_fail_that_request_alone(tiny_model):
     assert engine.scheduler.running == 0 and engine.slots.free == engine.slots.max_batch
     engine.close()
     solo.close()
+
+
+def test_a_block_larger_than_the_context_refuses_to_start(tiny_model):
+    from services.errors import StartupError
+    from services.runtime.model_spec import load_model_spec
+
+    context = load_model_spec(tiny_model).context_length
+    with pytest.raises(StartupError, match=f"not below the model's context of {context} tokens"):
+        make_engine(tiny_model, block_size=context)

@@ -145,8 +145,10 @@ def test_breaker_opens_backs_off_and_recovers():
 
 
 def test_unknown_scheme_is_refused():
-    with pytest.raises(StoreURLError):
-        open_store("memcached://x", StoreOptions(), CacheStats())
+    for url, says in [("memcached://x", "is not one of"), ("memory", "has no scheme"),
+                      ("tiered+memory://", r"tiered\+ goes before a Redis URL"), ("redis+cluster://", "names no seed node")]:
+        with pytest.raises(StoreURLError, match=says):
+            open_store(url, StoreOptions(), CacheStats())
 
 
 def test_redis_store_set_nx_ttl_and_mget(redis_url, redis_server):

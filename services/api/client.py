@@ -62,7 +62,7 @@ def generate_main(target: str, request: pb.GenerateRequest, timeout_s: float) ->
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
-    print()
+    print(flush=True)  # before the stderr line, also when both go to one pipe
     u, t = done.last.usage, done.last.timings
     print(
         f"finish={pb.FinishReason.Name(done.last.finish_reason)} prompt_tokens={u.prompt_tokens} "

@@ -9,6 +9,7 @@ latency histograms are fed once per finished request. Nothing here runs on the t
 
 from __future__ import annotations
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -16,6 +17,7 @@ from prometheus_client.registry import Collector
 from cachestore.breaker import BreakerState
 from cachestore.codec import RejectReason
 from cachestore.resilient import ResilientStore
+from cachestore.store import ERROR_KINDS
 from cachestore.tiered import TieredStore
 from services.engine.engine import Engine
 from services.engine.sequence import Sequence
@@ -68,8 +70,8 @@ class _EngineCollector(Collector):
         yield rejected
         errors = CounterMetricFamily("kvshare_cache_store_errors", "Store calls that failed (computed instead), by kind.",
                                      labels=["kind"])
-        for kind, count in sorted(cache["store_errors"].items()):
-            errors.add_metric([kind], count)
+        for kind in ERROR_KINDS:
+            errors.add_metric([kind], cache["store_errors"].get(kind, 0))
         yield errors
         for field, (name, help_text) in _CACHE_COUNTERS.items():
             yield CounterMetricFamily(name, help_text, value=cache[field])
@@ -89,7 +91,8 @@ class WorkerMetrics:
         self.ttft = Histogram("kvshare_time_to_first_token_seconds",
                               "Time to first token; prefix_cache=hit when some prompt blocks came from the store.",
                               ["prefix_cache"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("kvshare_inter_token_latency_seconds", "Mean gap between a request's tokens.",
+        self.itl = Histogram("kvshare_inter_token_latency_seconds",
+                             "Gap between consecutive tokens of a request, one observation per gap.",
                              buckets=_GAP_BUCKETS, registry=r)
         self.e2e = Histogram("kvshare_e2e_request_latency_seconds", "Request time, received to last token.",
                              buckets=_LATENCY_BUCKETS, registry=r)
@@ -115,8 +118,8 @@ class WorkerMetrics:
             self.ttft.labels("hit" if u.cached_prompt_tokens else "miss").observe(t.time_to_first_token_ms / 1e3)
             self.e2e.observe(total_s)
             self.fetch.observe(t.cache_fetch_ms / 1e3)
-        if u.completion_tokens > 1:
-            self.itl.observe((total_s - t.time_to_first_token_ms / 1e3) / (u.completion_tokens - 1))
+        for gap in np.diff(seq.token_times).tolist():
+            self.itl.observe(gap)
 
     def serve(self, host: str, port: int) -> None:
         """Serves /metrics on ``host:port`` from a daemon thread."""

@@ -48,7 +48,7 @@ from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
 from services.engine.sequence import Sequence
 from services.engine.text_stream import TextStream
-from services.errors import InvalidRequest, RequestOutOfRange
+from services.errors import InvalidRequest, RequestOutOfRange, StartupError
 from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
@@ -103,6 +103,9 @@ class Engine:
     def __init__(self, spec: ModelSpec, session: DecoderSession, tokenizer: TextTokenizer,
                  options: EngineOptions, store: KVStore, cache_stats: CacheStats,
                  encoder: EncoderSession | None = None) -> None:
+        if options.block_size >= spec.context_length:
+            raise StartupError(f"--block-size {options.block_size} is not below the model's context of "
+                               f"{spec.context_length} tokens: no prompt could ever fill a block to share")
         self.spec = spec
         self.session = session
         self.encoder = encoder

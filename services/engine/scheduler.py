@@ -321,8 +321,10 @@ class Scheduler:
 
     def _emit(self, seq: Sequence, token: int) -> None:
         seq.generated += 1
+        now = time.perf_counter()
+        seq.token_times.append(now)
         if seq.generated == 1:
-            seq.timings.time_to_first_token_ms = (time.perf_counter() - seq.t0) * 1e3
+            seq.timings.time_to_first_token_ms = (now - seq.t0) * 1e3
         reason = None
         if token in seq.stop_token_ids:
             reason = FinishReason.EOS

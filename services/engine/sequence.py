@@ -80,6 +80,8 @@ class Sequence:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     """Set (on the consumer's loop) when ``outbox`` has something new."""
     logits: list[np.ndarray] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    """perf_counter() at which each generated token was sampled (the metrics' inter-token gaps)."""
 
     @property
     def done(self) -> bool:
