@@ -105,16 +105,16 @@ def plot(panels: list[dict], series: list[list[tuple[str, list[float], list[floa
         ax.set_ylabel({"percentunit": "fraction", "s": "seconds", "Bps": "bytes/s"}.get(unit, ""), fontsize=8)
         ax.tick_params(labelsize=7)
         if lines:
-            ax.legend(fontsize=6, loc="upper left")
+            ax.legend(fontsize=6, loc="upper right")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="grey")
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     for ax in axes[0]:
-        for at, name in marks:
+        for at, name in marks[1:]:
             ax.annotate(name, (at, 1.0), xycoords=("data", "axes fraction"), fontsize=6, rotation=90, va="top",
                         color="grey")
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=80)
 
@@ -159,8 +159,10 @@ def main() -> int:
         finally:
             prometheus.stop()
     plot(panels, series, marks, args.out,
-         f"kvshare dashboard queries evaluated by Prometheus over two live workers (model {model.preset}) "
-         "during the fault cases of bench/faults.py; seconds on the x axis")
+         f"kvshare dashboard queries evaluated by Prometheus over two live workers (model {model.preset}) during the "
+         "fault cases of bench/faults.py (dotted lines, named on the top row); seconds on the x axis.\n"
+         "Sums are over both workers (breakers: how many are open). Quantiles are interpolated within histogram "
+         "buckets, so a p99 sits on a bucket bound (10 s, 30 s) when few requests are in the window.")
     print(f"wrote {args.out}")
     if empty:
         print("panels with no data: " + "; ".join(empty))

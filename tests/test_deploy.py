@@ -322,6 +322,13 @@ def test_network_policy_admits_only_scrapers_to_the_metrics_port(rendered):
     assert not selects(peer["podSelector"]["matchLabels"], worker_labels)
 
 
+def test_no_scrapers_closes_the_metrics_port_instead_of_opening_it(helm):
+    for scrapers in ("[]", "null"):
+        docs = helm.render({}, "--set-json", f"metrics.scrapers={scrapers}")
+        policy = find(docs, "NetworkPolicy", "kvshare-workers")["spec"]
+        assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": _container_port(docs, "grpc")}]}], scrapers
+
+
 def test_pod_monitor_scrapes_the_worker_metrics_port(rendered):
     docs = rendered["monitoring"]
     monitor = find(docs, "PodMonitor")

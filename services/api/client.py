@@ -57,10 +57,16 @@ def generate_main(target: str, request: pb.GenerateRequest, timeout_s: float) ->
     """`kvshare generate`: text to stdout as it streams, usage and timings to stderr."""
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GeneratorStub(channel)
+        echoed = []
+
+        def echo(text: str) -> None:
+            echoed.append(text)
+            print(text, end="", flush=True)
+
         try:
-            done = complete(stub, request, timeout_s, echo=lambda t: print(t, end="", flush=True))
+            done = complete(stub, request, timeout_s, echo=echo)
         except grpc.RpcError as exc:
-            print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"{chr(10) if echoed else ''}error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     print(flush=True)  # before the stderr line, also when both go to one pipe
     u, t = done.last.usage, done.last.timings
