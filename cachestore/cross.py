@@ -17,6 +17,7 @@ from cachestore.codec import (
     Expected,
     RejectReason,
     ValueKind,
+    check_range,
     decode,
     encode,
 )
@@ -58,9 +59,15 @@ class CrossStore:
 
     def put(self, input_hash: BlockHash, kv: np.ndarray) -> bool:
         """Stores the cross K/V set-if-absent, unless its value would exceed ``max_value_bytes``
-        (checked before anything is encoded, so a too-large value costs nothing)."""
+        (checked before anything is encoded, so a too-large value costs nothing) or hold what
+        ``decode`` refuses (NaN, infinity, out of range)."""
         if kv.nbytes > self.max_value_bytes:
             self.stats.add(values_too_large=1)
+            return False
+        try:
+            check_range(kv)  # what every reader would refuse is not stored
+        except CodecError as exc:
+            _rejected.warning("cross K/V of %s not stored (%s)", cross_key(input_hash), exc)
             return False
         value = encode(ValueKind.CROSS_KV, input_hash, kv)
         written = self.store.put(cross_key(input_hash), value)

@@ -32,7 +32,8 @@ class ResilientStore(KVStore):
         self.name = inner.name
         self._failing: set[str] = set()
         self._lock = threading.Lock()
-        self._failing_log, self._recovered_log = RateLimitedLog(log), RateLimitedLog(log)
+        # One limiter per (direction, state): a burst of write failures must not hide the reads'.
+        self._logs = {(kind, state): RateLimitedLog(log) for kind in ("reads", "writes") for state in ("failing", "back")}
 
     def _call(self, breaker: CircuitBreaker, operation: str, fn: Callable[[], T], fallback: T) -> T:
         kind = "reads" if breaker is self.read_breaker else "writes"
@@ -48,14 +49,14 @@ class ResilientStore(KVStore):
                 first = kind not in self._failing
                 self._failing.add(kind)
             if first:
-                self._failing_log.warning("cache store %s failing %s (%s: %s: %s); computing instead, breaker %s",
+                self._logs[kind, "failing"].warning("cache store %s failing %s (%s: %s: %s); computing instead, breaker %s",
                             self.name, kind, operation, type(exc).__name__, exc, breaker.state.value)
             return fallback
         with self._lock:
             recovered = kind in self._failing
             self._failing.discard(kind)
         if recovered:
-            self._recovered_log.warning("cache store %s answers %s again", self.name, kind)
+            self._logs[kind, "back"].warning("cache store %s answers %s again", self.name, kind)
         breaker.success()
         return result
 

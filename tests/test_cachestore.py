@@ -243,3 +243,14 @@ def test_a_full_redis_counts_out_of_memory_errors_and_still_serves_reads():
         assert stats.snapshot()["store_errors"].get("out_of_memory", 0) >= 1
         assert store.get("small") == b"x" * 1000
         store.close()
+
+
+def test_cross_kv_that_readers_would_refuse_is_never_stored():
+    from cachestore.cross import CrossStore
+
+    store, stats = MemoryStore(1 << 20), CacheStats()
+    cross = CrossStore(store, stats, max_value_bytes=1 << 20)
+    bad = BLOCK.copy()
+    bad[0, 0, 0, 0, 0] = np.nan
+    assert not cross.put(OWNER, bad) and store.used_bytes == 0
+    assert cross.put(OWNER, BLOCK) and store.used_bytes > 0

@@ -121,6 +121,8 @@ BAD_REQUESTS = {
                                        grpc.StatusCode.INVALID_ARGUMENT, "encoder_prompt"),
     "empty stop string": (pb.GenerateRequest(prompt="x", max_new_tokens=4, stop=[""]),
                           grpc.StatusCode.INVALID_ARGUMENT, "stop[0]"),
+    "request id too long": (pb.GenerateRequest(request_id="r" * 257, prompt="x", max_new_tokens=4),
+                            grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
     # The worker fixture caps messages at 64 KiB.
     "message over the limit": (pb.GenerateRequest(prompt="x" * 70_000, max_new_tokens=4),
                                grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
@@ -376,9 +378,11 @@ def test_text_log_lines_cannot_be_forged_through_a_request_id():
 
     from services.api.logs import TextFormatter
 
-    forged = "id\n2026-01-01 00:00:00,000 ERROR services.api.servicer: FORGED"
-    record = logging.LogRecord("services.engine.engine", logging.WARNING, __file__, 1, "request %s failed", (forged,), None)
-    record.fields = {"request_id": forged, "outcome": "length"}
-    line = TextFormatter().format(record)
-    assert "\n" not in line and "FORGED" in line
-    assert 'request_id="id\\n2026' in line and line.endswith("outcome=length")
+    for brk in ("\n", "\r", "\x85", "\u2028", "\u2029", "\x0b"):
+        forged = f"id{brk}2026-01-01 00:00:00,000 ERROR services.api.servicer: FORGED"
+        record = logging.LogRecord("services.engine.engine", logging.WARNING, __file__, 1, "request %s failed",
+                                   (forged,), None)
+        record.fields = {"request_id": forged, "outcome": "length"}
+        line = TextFormatter().format(record)
+        assert len(line.splitlines()) == 1 and "FORGED" in line, repr(brk)
+        assert 'request_id="id\\' in line and line.endswith("outcome=length")

@@ -108,6 +108,10 @@ def test_whisper_features_over_grpc(redis_url):
             "overflowing shape": pb.Tensor(shape=[2**62, 4], dtype="float32", data=b""),
             "wrong dtype": pb.Tensor(shape=[1, 80, 3000], dtype="float16", data=b"\0" * (80 * 3000 * 2)),
             "short data": pb.Tensor(shape=[1, 80, 3000], dtype="float32", data=b"\0" * 100),
+            "a NaN": pb.Tensor(shape=[1, 80, 3000], dtype="float32",
+                               data=np.where(np.arange(80 * 3000) == 7, np.nan, 0).astype("<f4").tobytes()),
+            "an infinity": pb.Tensor(shape=[1, 80, 3000], dtype="float32",
+                                     data=np.where(np.arange(80 * 3000) == 9, -np.inf, 0).astype("<f4").tobytes()),
         }
         for case, tensor in bad_tensors.items():
             with pytest.raises(grpc.RpcError) as info:

@@ -15,7 +15,9 @@ _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 # Control characters (a newline in a client's request id) would let a client forge log lines.
-_ESCAPES = {c: f"\\x{c:02x}" for c in [*range(32), 127]} | {10: "\\n", 13: "\\r", 9: "\\t"}
+# Unicode's own line breaks (NEL, LINE and PARAGRAPH SEPARATOR) too: str.splitlines() splits on them.
+_ESCAPES = ({c: f"\\x{c:02x}" for c in [*range(32), 127, 0x85]} | {0x2028: "\\u2028", 0x2029: "\\u2029"}
+            | {10: "\\n", 13: "\\r", 9: "\\t"})
 
 
 def _field(value: object) -> str:
@@ -23,7 +25,7 @@ def _field(value: object) -> str:
     text = str(value)
     if text and text.isprintable() and not any(c in text for c in ' "='):
         return text
-    return json.dumps(text, ensure_ascii=False)
+    return json.dumps(text, ensure_ascii=False).translate(_ESCAPES)
 
 
 class TextFormatter(logging.Formatter):

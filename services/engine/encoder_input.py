@@ -64,6 +64,8 @@ def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextToken
         if any(d <= 0 for d in f.shape) or len(f.data) != math.prod(f.shape) * dtype.itemsize:
             raise InvalidRequest(f"{field}.data", f"{len(f.data)} bytes do not hold a {f.dtype} tensor of shape {list(f.shape)}")
         array = np.frombuffer(f.data, dtype=dtype).reshape(f.shape).astype(dtype.newbyteorder("="))
+        if not np.isfinite(array).all():
+            raise InvalidRequest(f"{field}.data", "the features hold NaN or infinity")
     else:
         if not encoder.takes_token_ids:
             raise InvalidRequest(field, "this encoder takes float features: use encoder_features")

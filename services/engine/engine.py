@@ -48,7 +48,7 @@ from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
 from services.engine.sequence import Sequence
 from services.engine.text_stream import TextStream
-from services.errors import InvalidRequest, RequestOutOfRange, StartupError
+from services.errors import InvalidRequest, RequestOutOfRange
 from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
@@ -93,6 +93,10 @@ class EngineOptions:
 MAX_DERIVED_BATCH = 64
 
 
+MAX_REQUEST_ID_CHARS = 256
+"""A request id is logged with every line about its request: it is an id, not a payload."""
+
+
 def derived_max_batch(kv_bytes_per_token: int, context_length: int, kv_cache_bytes: int) -> int:
     """Slots that fit ``kv_cache_bytes`` when each may hold a whole context (at least 1, at most
     ``MAX_DERIVED_BATCH``): a sequence admitted can always run to its end."""
@@ -104,8 +108,9 @@ class Engine:
                  options: EngineOptions, store: KVStore, cache_stats: CacheStats,
                  encoder: EncoderSession | None = None) -> None:
         if options.block_size >= spec.context_length:
-            raise StartupError(f"--block-size {options.block_size} is not below the model's context of "
-                               f"{spec.context_length} tokens: no prompt could ever fill a block to share")
+            # It still serves (a model with a tiny context is no error), but the user expects sharing.
+            log.warning("--block-size %d is not below the model's context of %d tokens: no prompt can fill a block, "
+                        "so nothing will be shared; lower --block-size", options.block_size, spec.context_length)
         self.spec = spec
         self.session = session
         self.encoder = encoder
@@ -175,6 +180,8 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validates ``request``; raises InvalidRequest (or RequestOutOfRange) naming the field."""
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest("request_id", f"{len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
         encoder_input = encoder_array(request.encoder, self.spec, self.tokenizer, self.encoder)
         if encoder_input is not None and not request.prompt and not request.prompt_token_ids:
             # An encoder-decoder model's decoder starts from its start token when given no prompt.
