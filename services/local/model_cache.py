@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from services.modelbuild.folder import write_decoder_folder
@@ -28,8 +29,9 @@ def cache_dir() -> Path:
     return Path(base) / "kvshare" / "models"
 
 
-def builder_identity(preset: str, layout: KVLayout, seed: int = 0) -> str:
-    digest = hashlib.sha256(f"{preset}|{layout.value}|{seed}".encode())
+def builder_identity(*parts: object) -> str:
+    """A hash of the builder's source and ``parts`` (what is built: preset, layout, source file...)."""
+    digest = hashlib.sha256("|".join(map(str, parts)).encode())
     for path in sorted(_BUILDER.glob("*.py")) + sorted(_BUILDER.glob("*.txt")):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()
@@ -43,17 +45,24 @@ def _reusable(folder: Path, identity: str) -> bool:
         return False
 
 
-def ensure_model(folder: Path, preset: str = "small") -> Path:
-    """The seeded decoder ``preset`` in ``folder``, built unless a verified build is already there."""
-    identity = builder_identity(preset, KVLayout.SEPARATE)
+def ensure_folder(folder: Path, identity: str, build: Callable[[Path], object], what: str) -> Path:
+    """``folder`` as ``build(path)`` writes it, built (``what`` says into what) unless a verified
+    build of the same ``identity`` is already there."""
     if _reusable(folder, identity):
         return folder
-    print(f"building the seeded-weight '{preset}' decoder into {folder} ...", flush=True)
+    print(f"building {what} into {folder} ...", flush=True)
     partial = folder.with_name(f"{folder.name}.{os.getpid()}.part")
     shutil.rmtree(partial, ignore_errors=True)
-    write_decoder_folder(partial, preset, KVLayout.SEPARATE)
+    build(partial)
     stamp = {"builder": identity, "fingerprint": load_model_spec(partial).fingerprint}
     (partial / STAMP).write_text(json.dumps(stamp))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(partial, folder)
     return folder
+
+
+def ensure_model(folder: Path, preset: str = "small") -> Path:
+    """The seeded decoder ``preset`` in ``folder``, built unless a verified build is already there."""
+    return ensure_folder(folder, builder_identity(preset, KVLayout.SEPARATE.value, 0),
+                         lambda path: write_decoder_folder(path, preset, KVLayout.SEPARATE),
+                         f"the seeded-weight '{preset}' decoder")

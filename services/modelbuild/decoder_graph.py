@@ -39,9 +39,12 @@ def _rope_cache(shape: DecoderShape) -> tuple[np.ndarray, np.ndarray]:
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
-def build_decoder_graph(shape: DecoderShape, layout: KVLayout, seed: int) -> onnx.ModelProto:
-    """Returns the decoder as an ONNX model with seeded weights (same arguments, same bytes)."""
-    g = GraphWriter(seed)
+def build_decoder_graph(shape: DecoderShape, layout: KVLayout, seed: int, weights: dict[str, np.ndarray] | None = None,
+                        tied_head: bool = False) -> onnx.ModelProto:
+    """Returns the decoder as an ONNX model with seeded weights (same arguments, same bytes), or with
+    ``weights`` (builder names, all used). ``tied_head``: the output head is the token embedding,
+    transposed in the graph rather than stored twice."""
+    g = GraphWriter(seed, weights)
     h, d, kv = shape.hidden_size, shape.head_size, shape.num_kv_heads
     std = shape.init_std
 
@@ -112,7 +115,12 @@ def build_decoder_graph(shape: DecoderShape, layout: KVLayout, seed: int) -> onn
         normed = g.rms_norm(x, f"{p}.post_attention_layernorm", h, shape.rms_eps)
         x = g.node("Add", [x, g.swiglu(normed, f"{p}.mlp", h, shape.intermediate_size, std)], f"{p}.mlp_residual")
     normed = g.rms_norm(x, "model.norm", h, shape.rms_eps)
-    # RMSNorm output has unit scale, so a head with std logit_std/sqrt(h) gives logits of std logit_std.
-    g.node("MatMul", [normed, g.weight("lm_head.weight", (h, shape.vocab_size), shape.logit_std / np.sqrt(h))], "logits")
-
+    if tied_head:
+        head = g.node("Transpose", ["model.embed_tokens.weight"], "lm_head.weight", perm=[1, 0])
+    else:
+        # RMSNorm output has unit scale, so a head with std logit_std/sqrt(h) gives logits of std logit_std.
+        head = g.weight("lm_head.weight", (h, shape.vocab_size), shape.logit_std / np.sqrt(h))
+    g.node("MatMul", [normed, head], "logits")
+    if weights:
+        raise ValueError(f"weights the graph has no place for: {sorted(weights)[:5]}")
     return g.model("kvshare_decoder", inputs, outputs)

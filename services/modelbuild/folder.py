@@ -6,7 +6,10 @@ Everything is derived from (preset, layout, seed), so two runs write the same by
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
+
+import onnx
 
 from services.modelbuild import encdec_graph
 from services.modelbuild.decoder_graph import (
@@ -150,3 +153,41 @@ def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int
     (out_dir / MODEL_FILE).write_bytes(model.SerializeToString())
     _write_common(out_dir, genai_config(shape, layout, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id), tok)
     return out_dir
+
+
+def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "int8") -> Path:
+    """Converts a Llama-architecture GGUF into a folder kvshare and ONNX Runtime GenAI both load.
+    ``weights``: ``int8`` (MatMulNBits, 8 bits, blocks of 32, accuracy level 4: re-quantized from the
+    dequantized weights by ONNX Runtime's own quantizer) or ``fp32``."""
+    from services.modelbuild.gguf_model import PRE_TOKENIZERS, read_gguf
+    from services.modelbuild.tokenizer_build import tokenizer_from_vocabulary
+
+    source = read_gguf(gguf_path)
+    tok = tokenizer_from_vocabulary(source.tokens, source.token_types, source.merges, PRE_TOKENIZERS[source.pre_tokenizer],
+                                    source.bos_token_id, source.eos_token_id, source.pad_token_id, source.chat_template)
+    model = build_decoder_graph(source.shape, KVLayout.SEPARATE, seed=0, weights=source.weights, tied_head=source.tied_head)
+    if weights == "int8":
+        model = quantize_int8(model)
+    elif weights != "fp32":
+        raise ValueError(f"weights {weights!r} is not one of int8, fp32")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, out_dir / MODEL_FILE)
+    config = genai_config(source.shape, KVLayout.SEPARATE, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    _write_common(out_dir, config, tok)
+    return out_dir
+
+
+def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every MatMul with a weight initializer becomes MatMulNBits (8 bits, symmetric, blocks of 32,
+    accuracy level 4: int8 activations on CPU). The tied head, a Transpose of the embedding, stays float."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level = quantizer_log.level
+    quantizer_log.setLevel(logging.WARNING)  # it logs three INFO lines per matmul
+    try:
+        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=32, is_symmetric=True, accuracy_level=4)
+        quantizer.process()
+    finally:
+        quantizer_log.setLevel(level)
+    return quantizer.model.model

