@@ -23,6 +23,11 @@ class RequestOutOfRange(InvalidRequest):
     """A request asks for more than the model can hold (prompt + new tokens past the context)."""
 
 
+class FailedPrecondition(KVShareError):
+    """The request is well-formed but the served model cannot take it (messages for a model folder
+    without a chat template)."""
+
+
 class Overloaded(KVShareError):
     """The worker cannot take the request now (every slot busy and the queue full, or shutting
     down); the message says what was full. Decided at once, before any work is done."""

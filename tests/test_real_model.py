@@ -23,6 +23,7 @@ from services.engine.generation import CacheControl, GenerationRequest
 from services.local.model_catalogue import fetch_model
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.gguf_model import GGUFError, read_gguf
+from services.runtime.chat_template import Message
 
 FRANCE = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 # llama.cpp 0.3.36 (llama-cpp-python), greedy, on SmolLM2-135M-Instruct.Q4_1.gguf: "The capital of France is Paris."
@@ -143,3 +144,49 @@ def _gguf(path: Path, arch: str, **fields) -> Path:
 def test_the_converter_refuses_what_the_graph_cannot_represent(tmp_path, arch, fields, says):
     with pytest.raises(GGUFError, match=says):
         read_gguf(_gguf(tmp_path / "m.gguf", arch, **fields))
+
+
+DEFAULT_SYSTEM = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+
+
+@pytest.mark.parametrize(("messages", "rendered"), [
+    # Without a system message the template inserts its own.
+    ([("user", "Hi")], DEFAULT_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+    ([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello!"), ("user", "Bye")],
+     "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n"
+     "<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"),
+])
+def test_messages_render_as_the_template_says(smollm2, messages, rendered):
+    engine = load(smollm2)
+    try:
+        assert engine.render_chat([Message(r, c) for r, c in messages]) == rendered
+    finally:
+        engine.close()
+
+
+@pytest.mark.subprocess
+def test_messages_over_grpc_share_the_system_message_blocks(smollm2):
+    system = pb.ChatMessage(role="system", content=SYSTEM)
+    with WorkerProcess(smollm2) as worker, grpc.insecure_channel(worker.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        asked = [pb.GenerateRequest(messages=[system, pb.ChatMessage(role="user", content=q)], max_new_tokens=4)
+                 for q in ("Can I return a damaged helmet?", "My parcel is late, what now?")]
+        first, second = (complete(stub, r, 120).last.usage for r in asked)
+        assert first.cached_prompt_tokens == 0 and second.cached_prompt_tokens >= 1100
+        tokenized = stub.Tokenize(pb.TokenizeRequest(messages=[pb.ChatMessage(role="user", content="Hi")]))
+        assert tokenized.text == DEFAULT_SYSTEM + "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        with pytest.raises(grpc.RpcError) as info:
+            complete(stub, pb.GenerateRequest(prompt="x", messages=[system], max_new_tokens=2), 30)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.subprocess
+def test_messages_to_a_folder_without_a_template_fail_the_precondition(tiny_model):
+    with WorkerProcess(tiny_model) as worker, grpc.insecure_channel(worker.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        for call in (lambda: complete(stub, pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content="Hi")],
+                                                               max_new_tokens=2), 30),
+                     lambda: stub.Tokenize(pb.TokenizeRequest(messages=[pb.ChatMessage(role="user", content="Hi")]))):
+            with pytest.raises(grpc.RpcError) as info:
+                call()
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "chat template" in info.value.details()

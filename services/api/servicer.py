@@ -1,7 +1,8 @@
 """The gRPC face of the engine: converts messages, maps domain errors to status codes, streams.
 
 It holds no generation logic. Status codes: InvalidRequest -> INVALID_ARGUMENT, RequestOutOfRange
--> OUT_OF_RANGE, Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, anything
+-> OUT_OF_RANGE, FailedPrecondition (messages without a chat template) -> FAILED_PRECONDITION,
+Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, anything
 unexpected -> INTERNAL (a bug, logged with its traceback). Oversized messages never get here: gRPC
 refuses them with RESOURCE_EXHAUSTED.
 """
@@ -26,7 +27,13 @@ from services.engine.generation import (
     GenerationRequest,
 )
 from services.engine.sampling import SamplingConfig
-from services.errors import InvalidRequest, Overloaded, RequestOutOfRange
+from services.errors import (
+    FailedPrecondition,
+    InvalidRequest,
+    Overloaded,
+    RequestOutOfRange,
+)
+from services.runtime.chat_template import Message
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +54,8 @@ def status_for(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, Overloaded):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.INTERNAL
 
 
@@ -59,11 +68,16 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
     await context.abort(code, message)
 
 
+def chat_messages(messages) -> list[Message]:
+    return [Message(m.role, m.content) for m in messages]
+
+
 def engine_request(request: pb.GenerateRequest) -> GenerationRequest:
     sampling = request.sampling
     return GenerationRequest(
         prompt=request.prompt or None,
         prompt_token_ids=list(request.prompt_token_ids) or None,
+        messages=chat_messages(request.messages) or None,
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingConfig(
             temperature=sampling.temperature,
@@ -121,8 +135,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
             tokenizer, vocab = self._engine.tokenizer, self._engine.spec.vocab_size
-            if request.text and request.token_ids:
-                raise InvalidRequest("text", "set either text or token_ids, not both")
+            if sum(map(bool, (request.text, request.token_ids, request.messages))) > 1:
+                raise InvalidRequest("text", "set one of text, token_ids and messages")
+            if request.messages:
+                text = self._engine.render_chat(chat_messages(request.messages))
+                return pb.TokenizeResponse(token_ids=tokenizer.encode(text), text=text)
             if request.token_ids:
                 ids = list(request.token_ids)
                 for i, t in enumerate(ids):

@@ -48,7 +48,13 @@ from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
 from services.engine.sequence import Sequence
 from services.engine.text_stream import TextStream
-from services.errors import InvalidRequest, RequestOutOfRange
+from services.errors import FailedPrecondition, InvalidRequest, RequestOutOfRange
+from services.runtime.chat_template import (
+    ChatTemplate,
+    ChatTemplateError,
+    Message,
+    load_chat_template,
+)
 from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
@@ -116,6 +122,8 @@ class Engine:
         self.encoder = encoder
         self.cross = CrossStore(store, cache_stats, options.max_value_bytes)
         self.tokenizer = tokenizer
+        self.chat_template: ChatTemplate | None = None
+        """The folder's chat template (set by ``load``), for requests given as messages."""
         self.options = options
         self.stats = EngineStats()
         self.cache_stats = cache_stats
@@ -146,7 +154,9 @@ class Engine:
         spec = load_model_spec(model_dir)
         session = DecoderSession(spec, execution_provider, intra_op_threads)
         encoder = EncoderSession(spec, execution_provider, intra_op_threads) if spec.encoder else None
-        return cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
+        engine = cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
+        engine.chat_template = load_chat_template(model_dir)
+        return engine
 
     def close(self) -> None:
         self.scheduler.close()
@@ -190,10 +200,22 @@ class Engine:
             return PreparedRequest(self._checked([self.spec.decoder_start_token_id], request), encoder_input)
         return PreparedRequest(self._checked(self._prompt_ids(request), request), encoder_input)
 
+    def render_chat(self, messages: list[Message]) -> str:
+        """The prompt text of ``messages`` by the folder's chat template, generation prompt added."""
+        if self.chat_template is None:
+            raise FailedPrecondition(f"model {self.spec.name} has no chat template (tokenizer_config.json "
+                                     "chat_template): send prompt or prompt_token_ids")
+        try:
+            return self.chat_template.render(messages)
+        except ChatTemplateError as exc:
+            raise InvalidRequest("messages", str(exc)) from exc
+
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
-        if request.prompt and request.prompt_token_ids:
-            raise InvalidRequest("prompt", "set either prompt or prompt_token_ids, not both")
-        if request.prompt_token_ids:
+        if sum(map(bool, (request.prompt, request.prompt_token_ids, request.messages))) > 1:
+            raise InvalidRequest("prompt", "set one of prompt, prompt_token_ids and messages")
+        if request.messages:
+            ids = self.tokenizer.encode(self.render_chat(request.messages))
+        elif request.prompt_token_ids:
             ids = list(request.prompt_token_ids)
             for i, t in enumerate(ids):
                 if not 0 <= t < self.spec.vocab_size:
@@ -201,7 +223,7 @@ class Engine:
         elif request.prompt:
             ids = self.tokenizer.encode(request.prompt)
         else:
-            raise InvalidRequest("prompt", "no prompt: set prompt (text) or prompt_token_ids")
+            raise InvalidRequest("prompt", "no prompt: set prompt (text), prompt_token_ids or messages")
         if not ids:
             raise InvalidRequest("prompt", "the prompt encodes to no tokens")
         return ids

@@ -9,6 +9,7 @@ import numpy as np
 
 from services.engine.encoder_input import EncoderRequest
 from services.engine.sampling import SamplingConfig
+from services.runtime.chat_template import Message
 
 
 class FinishReason(Enum):
@@ -28,10 +29,12 @@ class CacheControl:
 
 @dataclass(slots=True)
 class GenerationRequest:
-    """One request as the engine sees it. Exactly one of ``prompt`` / ``prompt_token_ids``."""
+    """One request as the engine sees it. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``."""
 
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[Message] | None = None
+    """A conversation for the folder's chat template (with the generation prompt)."""
     max_new_tokens: int = 16
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: list[str] = field(default_factory=list)
