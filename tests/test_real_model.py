@@ -6,6 +6,7 @@ and ONNX Runtime GenAI running the converted folder."""
 from __future__ import annotations
 
 import asyncio
+import re
 from pathlib import Path
 
 import grpc
@@ -190,3 +191,23 @@ def test_messages_to_a_folder_without_a_template_fail_the_precondition(tiny_mode
             with pytest.raises(grpc.RpcError) as info:
                 call()
             assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "chat template" in info.value.details()
+
+
+@pytest.mark.subprocess
+def test_kvshare_chat_keeps_the_conversation(smollm2):
+    import subprocess
+    import sys
+
+    with WorkerProcess(smollm2) as worker:
+        proc = subprocess.run(
+            [sys.executable, "-m", "services.api.cli", "chat", "--target", worker.target, "--max-new-tokens", "16"],
+            input="What is the capital of France?\nAnd what is its most famous tower?\n/reset\nHi\n", capture_output=True,
+            text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
+        )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("> ") == 5 and "(history cleared)" in proc.stderr
+    turns = [re.match(r"\((\d+) tokens, (\d+) of (\d+) prompt tokens cached", line).groups()
+             for line in proc.stderr.splitlines() if "prompt tokens cached" in line]
+    (n1, c1, p1), (n2, c2, p2), (n3, c3, p3) = [tuple(map(int, t)) for t in turns]
+    # Turn 2 resends turn 1 and its answer; /reset drops them.
+    assert c1 == 0 and p2 > p1 + n1 and p3 < p2

@@ -1,4 +1,4 @@
-"""The `kvshare` command: serve, generate, build-model, fetch-model, demo."""
+"""The `kvshare` command: serve, generate, chat, build-model, fetch-model, demo."""
 
 from __future__ import annotations
 
@@ -70,6 +70,16 @@ def _build_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat(args: argparse.Namespace) -> int:
+    from kvshare.v1 import generator_pb2 as pb
+    from services.api.client import chat_main
+
+    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
+    if args.top_p is not None:
+        sampling.top_p = args.top_p
+    return chat_main(args.target, args.system, sampling, args.max_new_tokens, args.timeout_s)
+
+
 def _fetch_model(args: argparse.Namespace) -> int:
     from services.local.model_catalogue import FetchError, fetch_model
 
@@ -111,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--timeout-s", type=float, default=300.0, help="call deadline in seconds")
     gen.set_defaults(func=_generate)
 
+    chat = sub.add_parser("chat", help="talk to a worker's model on the terminal (its chat template)",
+                          formatter_class=defaults)
+    chat.add_argument("--target", default="127.0.0.1:50051", help="worker host:port")
+    chat.add_argument("--system", default=None, help="system message (default: the template's own, if any)")
+    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
+    chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    chat.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 = all)")
+    chat.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this much mass")
+    chat.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each answer in seconds")
+    chat.set_defaults(func=_chat)
+
     build = sub.add_parser("build-model", help="write a seeded-weight model folder (ONNX Runtime GenAI layout)",
                            description="Writes a model with seeded random weights (its output is random text) for "
                                        "tests, benchmarks and trying the server.", formatter_class=defaults)
@@ -141,9 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("--weights", choices=["int8", "fp32"], default="int8", help="matmul weights of the folder")
     fetch.set_defaults(func=_fetch_model)
 
-    demo = sub.add_parser("demo", help="build the small model, start a worker and show shared-prompt requests")
-    demo.add_argument("--model", type=Path, default=None, help="model folder (default: build the small preset)")
-    demo.add_argument("--max-new-tokens", type=int, default=24)
+    demo = sub.add_parser("demo", help="two replicas on one Redis answer six questions sharing a long system message",
+                          formatter_class=defaults)
+    demo.add_argument("--model", type=Path, default=None,
+                      help="model folder (default: SmolLM2-135M-Instruct, fetched and converted on first use)")
+    demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer at most")
     demo.set_defaults(func=_demo)
     return parser
 

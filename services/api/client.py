@@ -77,3 +77,41 @@ def generate_main(target: str, request: pb.GenerateRequest, timeout_s: float) ->
         file=sys.stderr,
     )
     return 0
+
+
+def chat_main(target: str, system: str | None, sampling: pb.SamplingParams, max_new_tokens: int, timeout_s: float,
+              read=input) -> int:
+    """`kvshare chat`: a conversation on the terminal. Each line is a user message; the answer streams
+    back and both join the history that the next request sends as ``messages``. ``/reset`` starts
+    over, ``/exit`` or end of input quits."""
+    history: list[pb.ChatMessage] = [pb.ChatMessage(role="system", content=system)] if system else []
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        print("kvshare chat: type a message; /reset starts over, /exit quits.", file=sys.stderr)
+        while True:
+            try:
+                line = read("> ").strip()
+            except EOFError:
+                print()
+                return 0
+            if line == "/exit":
+                return 0
+            if line == "/reset":
+                del history[1 if system else 0:]
+                print("(history cleared)", file=sys.stderr)
+                continue
+            if not line:
+                continue
+            history.append(pb.ChatMessage(role="user", content=line))
+            request = pb.GenerateRequest(messages=history, max_new_tokens=max_new_tokens, sampling=sampling)
+            try:
+                done = complete(stub, request, timeout_s, echo=lambda t: print(t, end="", flush=True))
+            except grpc.RpcError as exc:
+                history.pop()
+                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                continue
+            print(flush=True)
+            u = done.last.usage
+            print(f"({u.completion_tokens} tokens, {u.cached_prompt_tokens} of {u.prompt_tokens} prompt tokens cached, "
+                  f"first token after {done.last.timings.time_to_first_token_ms:.0f} ms)", file=sys.stderr)
+            history.append(pb.ChatMessage(role="assistant", content=done.text))
