@@ -187,7 +187,7 @@ def plot(rows: list[tuple], path: Path, title: str) -> None:
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--plot", type=Path, default=None))
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     counts, new, mixed_count, mixed_range, gap_prompt, rounds = (
         ([1, 2, 4], 8, 8, (4, 16), 256, 1) if args.smoke else ([1, 2, 4, 8, 16, 32], 128, 64, (16, 256), 2048, 3))
     rng = np.random.default_rng(7)
@@ -218,7 +218,7 @@ def main() -> int:
             ratios = [r[0] / r[2] for r in runs[n]]
             rows.append((n, ours_rate, ours_ttft, theirs_rate, theirs_ttft, float(np.median(ratios)),
                          " ".join(f"{r:.2f}" for r in ratios)))
-        title = (f"{model.preset} model, {PROMPT_TOKENS} prompt + {new} new tokens per stream, greedy, "
+        title = (f"{model.name} model, {PROMPT_TOKENS} prompt + {new} new tokens per stream, greedy, "
                  f"{INTRA_OP_THREADS} intra-op threads")
         print_table(f"{title}; medians of {rounds} interleaved rounds",
                     ("streams", "kvshare tok/s", "kvshare TTFT p50 ms", "GenAI tok/s", "GenAI TTFT p50 ms",

@@ -30,7 +30,7 @@ from services.local.redis_process import RedisServer
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     block_sizes, prefix_tokens, runs = ((16, 64), 128, 2) if args.smoke else ((16, 64, 128, 256), 2048, 5)
     rows = []
     with RedisServer() as server:
@@ -57,7 +57,7 @@ def main() -> int:
                          median(warm_ms) / median(cold_ms), median(cold_ms) / median(baseline)))
             print(f"block size {block_size} done", flush=True)
     print_table(
-        f"{model.preset} model, prefix {prefix_tokens} + question {QUESTION_TOKENS} tokens; medians of {runs} runs, server-side ms",
+        f"{model.name} model, prefix {prefix_tokens} + question {QUESTION_TOKENS} tokens; medians of {runs} runs, server-side ms",
         ("block", "cold TTFT", "no-cache TTFT", "warm TTFT", "fetch ms", "warm/cold", "cold/no-cache"), rows,
     )
     return 0

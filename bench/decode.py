@@ -77,7 +77,7 @@ def main() -> int:
     import onnxruntime_genai as og
 
     args = parse_args(__doc__.splitlines()[0])
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     prompt_tokens, new_tokens, rounds = (64, 16, 2) if args.smoke else (1024, 128, 7)
     prompt = model.random_ids(np.random.default_rng(4), prompt_tokens)
     og_model = og.Model(str(genai_folder(model)))
@@ -99,7 +99,7 @@ def main() -> int:
     genai = median(rates["onnxruntime-genai"])
     rows = [(name, prompt_tokens, new_tokens, median(r), median(r) / genai, "yes" if same else "NO")
             for name, r in rates.items()]
-    print_table(f"{model.preset} model, greedy, one stream, {INTRA_OP_THREADS} intra-op threads; medians of {rounds} interleaved rounds",
+    print_table(f"{model.name} model, greedy, one stream, {INTRA_OP_THREADS} intra-op threads; medians of {rounds} interleaved rounds",
                 ("decoder", "prompt tokens", "new tokens", "tok/s", "× GenAI", "same tokens"), rows)
     return 0 if same else 1
 

@@ -257,10 +257,10 @@ HEADER = ("case", "fault injected", "requests", "failed", "wrong", "the workers 
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     with lab(model, workload_for(model, args.smoke)) as the_lab:
         results = [the_lab.run(name, settle_for(args.smoke)) for name in CASES]
-    print_table(f"Faults under {CLIENTS} clients, 2 workers, model {model.preset}", HEADER, table_rows(results))
+    print_table(f"Faults under {CLIENTS} clients, 2 workers, model {model.name}", HEADER, table_rows(results))
     return verdict(results)
 
 

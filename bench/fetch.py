@@ -35,7 +35,7 @@ def timed(fn) -> tuple[float, object]:
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     tokens, runs = (256, 3) if args.smoke else (2048, 15)
     ids = model.random_ids(np.random.default_rng(2), tokens)
     with RedisServer() as server:
@@ -70,7 +70,7 @@ def main() -> int:
     base = payload / median(times["plain MGET"])
     rows = [(name, f"{payload / 2**20:.1f}", median(t) * 1e3, payload / median(t) / 1e9, payload / median(t) / base)
             for name, t in times.items()]
-    print_table(f"{model.preset} model, {tokens}-token prefix in {len(keys)} blocks, loopback Redis; medians of {runs} runs",
+    print_table(f"{model.name} model, {tokens}-token prefix in {len(keys)} blocks, loopback Redis; medians of {runs} runs",
                 ("path", "MiB", "ms", "GB/s", "× plain MGET"), rows)
     return 0
 

@@ -29,6 +29,7 @@ from services.local.model_cache import STAMP, cache_dir, ensure_model
 from services.local.redis_process import RedisServer
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.presets import DECODER_PRESETS
+from services.runtime.model_spec import load_model_spec
 
 FIRST_TOKEN_ID = 3  # ids below are the tokenizer's special tokens
 INTRA_OP_THREADS = 2
@@ -40,11 +41,12 @@ PUBLISH_TIMEOUT_S = 30.0
 @dataclass(frozen=True, slots=True)
 class BenchModel:
     folder: Path
-    preset: str
+    name: str
+    vocab_size: int
 
-    @property
-    def vocab_size(self) -> int:
-        return DECODER_PRESETS[self.preset].vocab_size
+    @classmethod
+    def of(cls, folder: Path, name: str | None = None) -> BenchModel:
+        return cls(folder, name or folder.name, load_model_spec(folder).vocab_size)
 
     def random_ids(self, rng: np.random.Generator, count: int) -> list[int]:
         return rng.integers(FIRST_TOKEN_ID, self.vocab_size, size=count).tolist()
@@ -72,15 +74,20 @@ def genai_folder(model: BenchModel, engine_rows: int | None = None) -> Path:
 def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--smoke", action="store_true", help="tiny model, few runs: checks the benchmark works")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="model folder to measure instead of the seeded bench preset (e.g. from kvshare fetch-model)")
     if extra:
         extra(parser)
     return parser.parse_args()
 
 
-def bench_model(smoke: bool) -> BenchModel:
-    """The bench preset (tiny for smoke runs), built once into the user's cache folder and reused while verified."""
-    preset = "tiny" if smoke else "bench"
-    return BenchModel(ensure_model(cache_dir() / f"decoder-{preset}", preset), preset)
+def bench_model(args: argparse.Namespace) -> BenchModel:
+    """``--model``, else the bench preset (tiny for smoke runs), built once into the user's cache
+    folder and reused while verified."""
+    if args.model is not None:
+        return BenchModel.of(args.model)
+    preset = "tiny" if args.smoke else "bench"
+    return BenchModel(ensure_model(cache_dir() / f"decoder-{preset}", preset), preset, DECODER_PRESETS[preset].vocab_size)
 
 
 @dataclass(slots=True)

@@ -140,10 +140,10 @@ def main() -> int:
         parser.add_argument("--burst", type=int, default=None, help="burst size (default 1000; smoke 200)")
 
     args = parse_args(__doc__.splitlines()[0], extra)
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     streams, seconds, burst_size = default_sizes(args.smoke)
     results = run_load(model, args.smoke, args.streams or streams, args.seconds or seconds, args.burst or burst_size)
-    print_table(f"Load, model {model.preset}", HEADER, table_rows(results))
+    print_table(f"Load, model {model.name}", HEADER, table_rows(results))
     return verdict(results)
 
 

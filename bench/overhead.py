@@ -25,7 +25,7 @@ from bench.fleet import (
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     prompt_tokens, runs = (256, 3) if args.smoke else (2080, 9)
     rng = np.random.default_rng(1)
     on_ms, off_ms = [], []
@@ -41,7 +41,7 @@ def main() -> int:
                 else:
                     off_ms.append(first_token(stub, prompt, skip_cache=True).timings.time_to_first_token_ms)
     rows = [(prompt_tokens, median(on_ms), median(off_ms), median(on_ms) / median(off_ms))]
-    print_table(f"{model.preset} model, one worker on Redis, block {f.block_size}; medians of {runs} runs",
+    print_table(f"{model.name} model, one worker on Redis, block {f.block_size}; medians of {runs} runs",
                 ("prompt tokens", "cache on (cold) TTFT ms", "cache off TTFT ms", "on/off"), rows)
     return 0
 

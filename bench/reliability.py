@@ -14,7 +14,7 @@ from bench.fleet import bench_model, parse_args, print_table, verdict
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     with faults.lab(model, faults.workload_for(model, args.smoke)) as lab:
         fault_results = [lab.run(name, faults.settle_for(args.smoke)) for name in faults.CASES]
     load_results = load.run_load(model, args.smoke, *load.default_sizes(args.smoke))
@@ -25,7 +25,7 @@ def main() -> int:
               f"{r.summary.tokens_per_s:.0f} tokens/s; "
               + (f"slowest refusal {r.refused_ms:.0f} ms; " if r.refused_ms else "")
               + f"worker RSS {r.rss.text} MiB") for r in load_results]
-    print_table(f"Reliability, model {model.preset}", ("case", "conditions", "requests", "not OK, by status", "wrong", "notes"),
+    print_table(f"Reliability, model {model.name}", ("case", "conditions", "requests", "not OK, by status", "wrong", "notes"),
                 rows)
     return verdict([*fault_results, *load_results])
 

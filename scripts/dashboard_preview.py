@@ -11,7 +11,6 @@ Needs a ``prometheus`` binary on PATH (Debian: ``apt-get install prometheus``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.faults import CASES, CLIENTS, lab, settle_for, workload_for  # noqa: E402
-from bench.fleet import bench_model  # noqa: E402
+from bench.fleet import bench_model, parse_args  # noqa: E402
 from bench.traffic import Traffic  # noqa: E402
 from services.local.redis_process import free_port  # noqa: E402
 
@@ -120,14 +119,12 @@ def plot(panels: list[dict], series: list[list[tuple[str, list[float], list[floa
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny model, fewer requests")
-    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png")
-    args = parser.parse_args()
+    args = parse_args(__doc__.splitlines()[0],
+                      lambda p: p.add_argument("--out", type=Path, default=ROOT / "docs" / "dashboard.png"))
 
     dashboard = json.loads(DASHBOARD.read_text())
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
-    model = bench_model(args.smoke)
+    model = bench_model(args)
     marks: list[tuple[float, str]] = []
     with lab(model, workload_for(model, args.smoke)) as the_lab:
         prometheus = Prometheus([f"127.0.0.1:{p}" for p in the_lab.metrics_ports])
@@ -159,7 +156,7 @@ def main() -> int:
         finally:
             prometheus.stop()
     plot(panels, series, marks, args.out,
-         f"kvshare dashboard queries evaluated by Prometheus over two live workers (model {model.preset}) during the "
+         f"kvshare dashboard queries evaluated by Prometheus over two live workers (model {model.name}) during the "
          "fault cases of bench/faults.py (dotted lines, named on the top row); seconds on the x axis.\n"
          "Sums are over both workers (breakers: how many are open). Quantiles are interpolated within histogram "
          "buckets, so a p99 sits on a bucket bound (10 s, 30 s) when few requests are in the window.")

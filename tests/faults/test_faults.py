@@ -15,7 +15,7 @@ pytestmark = pytest.mark.subprocess
 
 @pytest.fixture(scope="module")
 def fault_lab(tiny_model):
-    model = BenchModel(tiny_model, "tiny")
+    model = BenchModel.of(tiny_model, "tiny")
     with lab(model, workload_for(model, smoke=True)) as the_lab:
         yield the_lab
 
