@@ -27,6 +27,8 @@ from services.modelbuild.tokenizer_build import build_tokenizer
 from services.runtime.kv_layout import KVLayout
 
 MODEL_FILE = "model.onnx"
+MAX_PROTOBUF_BYTES = (2 << 30) - (64 << 20)
+"""What one serialized ONNX model may hold, less room for the graph itself."""
 ENCODER_FILE, DECODER_FILE = "encoder.onnx", "decoder.onnx"
 
 
@@ -159,10 +161,14 @@ def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "int8") -> 
     """Converts a Llama-architecture GGUF into a folder kvshare and ONNX Runtime GenAI both load.
     ``weights``: ``int8`` (MatMulNBits, 8 bits, blocks of 32, accuracy level 4: re-quantized from the
     dequantized weights by ONNX Runtime's own quantizer) or ``fp32``."""
-    from services.modelbuild.gguf_model import PRE_TOKENIZERS, read_gguf
+    from services.modelbuild.gguf_model import PRE_TOKENIZERS, GGUFError, read_gguf
     from services.modelbuild.tokenizer_build import tokenizer_from_vocabulary
 
     source = read_gguf(gguf_path)
+    weight_bytes = sum(w.nbytes for w in source.weights.values())
+    if weight_bytes > MAX_PROTOBUF_BYTES:
+        raise GGUFError(f"{weight_bytes / 2**30:.1f} GiB of float32 weights do not fit one ONNX protobuf (2 GiB); "
+                        "the converter writes no external-data files")
     tok = tokenizer_from_vocabulary(source.tokens, source.token_types, source.merges, PRE_TOKENIZERS[source.pre_tokenizer],
                                     source.bos_token_id, source.eos_token_id, source.pad_token_id, source.chat_template)
     model = build_decoder_graph(source.shape, KVLayout.SEPARATE, seed=0, weights=source.weights, tied_head=source.tied_head)
