@@ -7,13 +7,20 @@ from timing its generate_next_token loop after the first token, in this process.
 the worker's model path (its slot bank) in this process too, which separates the runtime from the
 server path.
 
-    .venv/bin/python -m bench.decode [--smoke]
+With ``--llama-cpp PYTHON --gguf FILE`` (a Python with llama-cpp-python installed, and the GGUF the
+folder was converted from) a fourth row runs llama.cpp on that file, in a subprocess, interleaved
+with the others; its tokens are reported but not required to match (other weights and arithmetic).
+
+    .venv/bin/python -m bench.decode [--smoke] [--model DIR] [--llama-cpp PYTHON --gguf FILE]
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -58,6 +65,14 @@ def kvshare_run(stub, prompt: list[int], new_tokens: int) -> tuple[float, list[i
     return (done.last.usage.completion_tokens - 1) / ((t.total_ms - t.time_to_first_token_ms) / 1e3), done.token_ids
 
 
+def llama_cpp_run(python: str, gguf: Path, prompt: list[int], new_tokens: int) -> tuple[float, list[int], str]:
+    request = {"gguf": str(gguf), "prompt": prompt, "new_tokens": new_tokens, "threads": INTRA_OP_THREADS}
+    proc = subprocess.run([python, str(Path(__file__).with_name("llama_cpp_peer.py"))], input=json.dumps(request),
+                          capture_output=True, text=True, timeout=600, check=True)
+    answer = json.loads(proc.stdout)
+    return answer["rate"], answer["tokens"], answer["version"]
+
+
 def slots_run(slots: SlotBank, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
     """The worker's own model path (its slot bank: prefill, then one-row decode steps) alone, with no
     scheduler, server or gRPC: separates the runtime from the transport."""
@@ -76,7 +91,11 @@ def slots_run(slots: SlotBank, prompt: list[int], new_tokens: int) -> tuple[floa
 def main() -> int:
     import onnxruntime_genai as og
 
-    args = parse_args(__doc__.splitlines()[0])
+    def extra(parser) -> None:
+        parser.add_argument("--llama-cpp", default=None, metavar="PYTHON", help="a Python with llama-cpp-python")
+        parser.add_argument("--gguf", type=Path, default=None, help="the GGUF for the llama.cpp row")
+
+    args = parse_args(__doc__.splitlines()[0], extra)
     model = bench_model(args)
     prompt_tokens, new_tokens, rounds = (64, 16, 2) if args.smoke else (1024, 128, 7)
     prompt = model.random_ids(np.random.default_rng(4), prompt_tokens)
@@ -95,9 +114,14 @@ def main() -> int:
             rates["kvshare step loop (in-process)"].append(rate)
             rate, reference = genai_run(og_model, prompt, new_tokens)
             rates["onnxruntime-genai"].append(rate)
+            if args.llama_cpp:
+                rate, theirs, version = llama_cpp_run(args.llama_cpp, args.gguf, prompt, new_tokens)
+                rates.setdefault(f"llama.cpp {version} (GGUF)", []).append(rate)
     same = served == looped == reference
     genai = median(rates["onnxruntime-genai"])
-    rows = [(name, prompt_tokens, new_tokens, median(r), median(r) / genai, "yes" if same else "NO")
+    rows = [(name, prompt_tokens, new_tokens, median(r), median(r) / genai,
+             ("yes" if same else "NO") if not name.startswith("llama.cpp") else
+             f"first {next((i for i, (a, b) in enumerate(zip(theirs, reference, strict=False)) if a != b), len(theirs))}")
             for name, r in rates.items()]
     print_table(f"{model.name} model, greedy, one stream, {INTRA_OP_THREADS} intra-op threads; medians of {rounds} interleaved rounds",
                 ("decoder", "prompt tokens", "new tokens", "tok/s", "× GenAI", "same tokens"), rows)

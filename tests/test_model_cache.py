@@ -27,6 +27,11 @@ def test_reused_when_verified_rebuilt_when_not(tmp_path, capsys):
     ensure_model(folder, "tiny")
     assert "building" in capsys.readouterr().out
 
+    for name in ("tokenizer.json", "genai_config.json", "tokenizer_config.json"):  # every file counts
+        (folder / name).write_text((folder / name).read_text() + " ")
+        ensure_model(folder, "tiny")
+        assert "building" in capsys.readouterr().out, name
+
     stamp = json.loads((folder / STAMP).read_text())
     (folder / STAMP).write_text(json.dumps({**stamp, "builder": "an older builder"}))
     ensure_model(folder, "tiny")

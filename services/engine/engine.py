@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
+from jinja2 import TemplateError
 
 from cachestore.codec import RejectReason
 from cachestore.cross import CrossStore
@@ -48,7 +49,12 @@ from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
 from services.engine.sequence import Sequence
 from services.engine.text_stream import TextStream
-from services.errors import FailedPrecondition, InvalidRequest, RequestOutOfRange
+from services.errors import (
+    FailedPrecondition,
+    InvalidRequest,
+    ModelLoadError,
+    RequestOutOfRange,
+)
 from services.runtime.chat_template import (
     ChatTemplate,
     ChatTemplateError,
@@ -99,6 +105,9 @@ class EngineOptions:
 MAX_DERIVED_BATCH = 64
 
 
+MAX_MESSAGES = 4096
+"""Messages in one conversation: each renders to at least a few template tokens, so a request of
+a million empty messages would otherwise cost seconds of rendering before any length check."""
 MAX_REQUEST_ID_CHARS = 256
 """A request id is logged with every line about its request: it is an id, not a payload."""
 
@@ -155,7 +164,11 @@ class Engine:
         session = DecoderSession(spec, execution_provider, intra_op_threads)
         encoder = EncoderSession(spec, execution_provider, intra_op_threads) if spec.encoder else None
         engine = cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
-        engine.chat_template = load_chat_template(model_dir)
+        try:
+            engine.chat_template = load_chat_template(model_dir)
+        except (ValueError, TemplateError) as exc:  # JSONDecodeError is a ValueError
+            engine.close()
+            raise ModelLoadError(f"{model_dir / 'tokenizer_config.json'}: unusable chat template ({exc})") from exc
         return engine
 
     def close(self) -> None:
@@ -202,6 +215,8 @@ class Engine:
 
     def render_chat(self, messages: list[Message]) -> str:
         """The prompt text of ``messages`` by the folder's chat template, generation prompt added."""
+        if len(messages) > MAX_MESSAGES:
+            raise InvalidRequest("messages", f"{len(messages)} messages; at most {MAX_MESSAGES}")
         if self.chat_template is None:
             raise FailedPrecondition(f"model {self.spec.name} has no chat template (tokenizer_config.json "
                                      "chat_template): send prompt or prompt_token_ids")

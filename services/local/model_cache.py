@@ -37,10 +37,20 @@ def builder_identity(*parts: object) -> str:
     return digest.hexdigest()
 
 
+def _fingerprint(folder: Path) -> str:
+    """The model's own fingerprint (its graph) and a hash of the folder's other files (config,
+    tokenizer, chat template), so that an edit to any of them is noticed."""
+    digest = hashlib.sha256(load_model_spec(folder).fingerprint.encode())
+    for name in ("genai_config.json", "tokenizer.json", "tokenizer_config.json"):
+        path = folder / name
+        digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b""))
+    return digest.hexdigest()
+
+
 def _reusable(folder: Path, identity: str) -> bool:
     try:
         stamp = json.loads((folder / STAMP).read_text())
-        return stamp["builder"] == identity and load_model_spec(folder).fingerprint == stamp["fingerprint"]
+        return stamp["builder"] == identity and _fingerprint(folder) == stamp["fingerprint"]
     except Exception:  # noqa: BLE001 - any unreadable stamp or folder means: build it again
         return False
 
@@ -54,7 +64,7 @@ def ensure_folder(folder: Path, identity: str, build: Callable[[Path], object], 
     partial = folder.with_name(f"{folder.name}.{os.getpid()}.part")
     shutil.rmtree(partial, ignore_errors=True)
     build(partial)
-    stamp = {"builder": identity, "fingerprint": load_model_spec(partial).fingerprint}
+    stamp = {"builder": identity, "fingerprint": _fingerprint(partial)}
     (partial / STAMP).write_text(json.dumps(stamp))
     shutil.rmtree(folder, ignore_errors=True)
     os.replace(partial, folder)

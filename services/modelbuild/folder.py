@@ -157,10 +157,13 @@ def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int
     return out_dir
 
 
-def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "int8") -> Path:
+def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32") -> Path:
     """Converts a Llama-architecture GGUF into a folder kvshare and ONNX Runtime GenAI both load.
-    ``weights``: ``int8`` (MatMulNBits, 8 bits, blocks of 32, accuracy level 4: re-quantized from the
-    dequantized weights by ONNX Runtime's own quantizer) or ``fp32``."""
+    ``weights``: ``fp32`` (the dequantized weights), or ``int8`` (MatMulNBits, 8 bits, blocks of 32,
+    accuracy level 4: re-quantized by ONNX Runtime's own quantizer). fp32 is the default because
+    int8 changed SmolLM2's answers: 8-bit kernels that keep them (float activations) decode at
+    2 tok/s here, the fast ones (int8 activations) get the capital of France wrong under the
+    template's default system message."""
     from services.modelbuild.gguf_model import PRE_TOKENIZERS, GGUFError, read_gguf
     from services.modelbuild.tokenizer_build import tokenizer_from_vocabulary
 
@@ -169,9 +172,14 @@ def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "int8") -> 
     if weight_bytes > MAX_PROTOBUF_BYTES:
         raise GGUFError(f"{weight_bytes / 2**30:.1f} GiB of float32 weights do not fit one ONNX protobuf (2 GiB); "
                         "the converter writes no external-data files")
-    tok = tokenizer_from_vocabulary(source.tokens, source.token_types, source.merges, PRE_TOKENIZERS[source.pre_tokenizer],
-                                    source.bos_token_id, source.eos_token_id, source.pad_token_id, source.chat_template)
-    model = build_decoder_graph(source.shape, KVLayout.SEPARATE, seed=0, weights=source.weights, tied_head=source.tied_head)
+    try:
+        tok = tokenizer_from_vocabulary(source.tokens, source.token_types, source.merges,
+                                        PRE_TOKENIZERS[source.pre_tokenizer], source.bos_token_id,
+                                        source.eos_token_id, source.pad_token_id, source.chat_template)
+        model = build_decoder_graph(source.shape, KVLayout.SEPARATE, seed=0, weights=source.weights,
+                                    tied_head=source.tied_head)
+    except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own types
+        raise GGUFError(f"its tensors or vocabulary do not fit a Llama decoder ({type(exc).__name__}: {exc})") from exc
     if weights == "int8":
         model = quantize_int8(model)
     elif weights != "fp32":

@@ -68,6 +68,16 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def read_gguf(path: Path) -> GGUFModel:
+    """The model in ``path``; GGUFError (never another exception) for anything unreadable or refused."""
+    try:
+        return _read(path)
+    except GGUFError:
+        raise
+    except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError, OverflowError, OSError) as exc:
+        raise GGUFError(f"not a readable Llama GGUF ({type(exc).__name__}: {exc})") from exc
+
+
+def _read(path: Path) -> GGUFModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
