@@ -267,3 +267,25 @@ def test_greedy_continuations_follow_llama_cpp(smollm2):
         assert ours == bicycle["greedy_ids"][:16]
     finally:
         engine.close()
+
+
+def test_a_template_that_refuses_or_fails_answers_a_status_a_client_can_act_on(tmp_path, smollm2):
+    import shutil
+
+    from services.errors import FailedPrecondition
+
+    folder = tmp_path / "model"
+    shutil.copytree(smollm2, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('start with a user message') }}"
+                               "{% endif %}{{ (1 / 0) if messages[0]['content'] == 'boom' else strftime_now('%Y') }}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    engine = load(folder)
+    try:
+        assert engine.render_chat([Message("user", "hi")]).isdigit()  # strftime_now exists, as in transformers
+        with pytest.raises(InvalidRequest, match="start with a user message"):
+            engine.render_chat([Message("system", "hi")])
+        with pytest.raises(FailedPrecondition, match="ZeroDivisionError"):
+            engine.render_chat([Message("user", "boom")])
+    finally:
+        engine.close()

@@ -56,6 +56,7 @@ from services.errors import (
     RequestOutOfRange,
 )
 from services.runtime.chat_template import (
+    BrokenChatTemplate,
     ChatTemplate,
     ChatTemplateError,
     Message,
@@ -224,6 +225,8 @@ class Engine:
             return self.chat_template.render(messages)
         except ChatTemplateError as exc:
             raise InvalidRequest("messages", str(exc)) from exc
+        except BrokenChatTemplate as exc:
+            raise FailedPrecondition(str(exc)) from exc
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if sum(map(bool, (request.prompt, request.prompt_token_ids, request.messages))) > 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 from jinja2 import TemplateError
@@ -14,11 +15,19 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 
 class ChatTemplateError(ValueError):
-    """The template refused the conversation (its ``raise_exception``) or failed to render it."""
+    """The template refused the conversation (its ``raise_exception``): the client's to fix."""
+
+
+class BrokenChatTemplate(RuntimeError):
+    """The template itself failed (an error in it, or something it needs): the model folder's to fix."""
 
 
 def _raise(message: str) -> None:
     raise ChatTemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +40,7 @@ class ChatTemplate:
     def __init__(self, source: str, special_tokens: dict[str, str]) -> None:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
+        env.globals["strftime_now"] = _strftime_now  # Hugging Face provides it; Llama 3 templates use it
         self._template = env.from_string(source)
         self._special = special_tokens
 
@@ -40,8 +50,8 @@ class ChatTemplate:
                                          add_generation_prompt=add_generation_prompt, **self._special)
         except ChatTemplateError:
             raise
-        except (TemplateError, TypeError, ValueError) as exc:
-            raise ChatTemplateError(f"the chat template failed: {exc}") from exc
+        except (TemplateError, ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as exc:
+            raise BrokenChatTemplate(f"the model's chat template failed: {type(exc).__name__}: {exc}") from exc
 
 
 def load_chat_template(folder: Path) -> ChatTemplate | None:
