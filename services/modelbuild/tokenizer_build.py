@@ -66,24 +66,29 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> TokenizerFiles:
     tokenizer.train_from_iterator(_training_lines(seed, words=vocab_size * 8), trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(f"tokenizer reached {tokenizer.get_vocab_size()} entries, not {vocab_size}")
-    ids = {tok: tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS}
+    ids = [tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS]
+    return _files(tokenizer, vocab_size, *ids, chat_template=None)
+
+
+def _files(tokenizer: Tokenizer, vocab_size: int, bos: int, eos: int, pad: int, chat_template: str | None) -> TokenizerFiles:
+    """tokenizer.json and a GPT-2-style tokenizer_config.json naming the special tokens (and the
+    chat template, if any)."""
+    token = tokenizer.id_to_token
     config = {
         "tokenizer_class": "GPT2Tokenizer",
-        "bos_token": BOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "unk_token": EOS_TOKEN,
+        "bos_token": token(bos),
+        "eos_token": token(eos),
+        "pad_token": token(pad),
+        "unk_token": token(eos),
         "add_bos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
+        **({"chat_template": chat_template} if chat_template else {}),
     }
     return TokenizerFiles(
         tokenizer_json=tokenizer.to_str(pretty=True),
         tokenizer_config_json=json.dumps(config, indent=2, sort_keys=True) + "\n",
-        vocab_size=vocab_size,
-        bos_token_id=ids[BOS_TOKEN],
-        eos_token_id=ids[EOS_TOKEN],
-        pad_token_id=ids[PAD_TOKEN],
+        vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad,
     )
 
 
@@ -104,19 +109,4 @@ def tokenizer_from_vocabulary(tokens: list[str], token_types: list[int], merges:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t, kind in zip(tokens, token_types, strict=True) if kind == 3])
-    config = {
-        "tokenizer_class": "GPT2Tokenizer",
-        "bos_token": tokens[bos_token_id],
-        "eos_token": tokens[eos_token_id],
-        "pad_token": tokens[pad_token_id],
-        "unk_token": tokens[eos_token_id],
-        "add_bos_token": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": 1 << 20,
-        **({"chat_template": chat_template} if chat_template else {}),
-    }
-    return TokenizerFiles(
-        tokenizer_json=tokenizer.to_str(pretty=True),
-        tokenizer_config_json=json.dumps(config, indent=2, sort_keys=True) + "\n",
-        vocab_size=len(tokens), bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-    )
+    return _files(tokenizer, len(tokens), bos_token_id, eos_token_id, pad_token_id, chat_template)
