@@ -1,6 +1,6 @@
 """Block keys: a chained cryptographic hash over blocks of prompt tokens.
 
-Invariants (DESIGN.md 1-2):
+Invariants (docs/design.md, 1-2):
 - ``h_0 = H(namespace)``, ``h_i = H(h_{i-1} || token ids of block i)``, ``H`` = BLAKE2b-256 over a
   canonical encoding (token ids as little-endian int32). A block's hash therefore names the whole
   prefix up to and including that block, not only the block's own tokens.

@@ -80,7 +80,7 @@ def test_prompt_lengths_around_block_multiples(replicas, length):
     assert last_a.usage.cached_prompt_tokens == 0
     second, last_b = generate(b, ids)
     full_blocks = length // B
-    # Fully cached prompts still run their last token (DESIGN invariant 3).
+    # Fully cached prompts still run their last token (docs/design.md, invariant 3).
     assert last_b.usage.cached_prompt_tokens == min(full_blocks * B, length - 1)
     assert first == second == cold
 

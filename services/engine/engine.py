@@ -186,7 +186,7 @@ class Engine:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
 
     def namespace(self, salt: str, encoder_input: BlockHash | None = None) -> Namespace:
-        """Everything this worker's prefix K/V depends on besides the tokens (DESIGN invariant 2):
+        """Everything this worker's prefix K/V depends on besides the tokens (docs/design.md, invariant 2):
         for an encoder-decoder model also the encoder input, whose cross-attention feeds every
         decoder layer, so the same decoder prompt under another encoder input never hits."""
         return Namespace(
@@ -270,7 +270,7 @@ class Engine:
     def cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
         """Prompt tokens served from cached blocks. At least the last prompt token always runs,
         since its logits start generation: when every block of the prompt is cached, the past holds
-        all but the last token (DESIGN invariant 3)."""
+        all but the last token (docs/design.md, invariant 3)."""
         return min(hit_blocks * block_size, prompt_tokens - 1)
 
     # The scheduler's hooks (services.engine.scheduler.Hooks).
