@@ -62,6 +62,12 @@ class RejectReason(StrEnum):
     """The tensor holds NaN or infinity."""
     OUT_OF_RANGE = "out_of_range"
     """The tensor holds a finite magnitude above ``MAX_ABS``."""
+    UNSIGNED = "unsigned"
+    """Counted by the signed store, not the codec: a signing key is configured and the value
+    carries no signature."""
+    SIGNATURE = "signature"
+    """Counted by the signed store: the value's MAC does not verify under any configured key (forged,
+    altered, copied under another key, or signed with a key this worker does not hold)."""
     BAD_OUTPUT = "bad_output"
     """Counted by the engine, not the codec: values that passed every check, but the model's
     logits over them were NaN or infinite; the request's cached values are deleted and it is

@@ -5,14 +5,17 @@
 - ``redis+cluster://host:port`` (``rediss+cluster://`` with TLS): Redis Cluster, any node as seed.
 - ``tiered+<any of the Redis URLs>``: a memory L1 in each worker in front of that Redis L2.
 
-Passwords go in the URL (``redis://:secret@host:6379``) or in ``REDISCLI_AUTH``-style secrets
-mounted by the deployment; they are never logged.
+TLS (``rediss://``) takes a CA file and optionally a client certificate and key (``RedisTLS``);
+the password comes from ``StoreOptions.password`` (read by the caller from a file or the
+environment) or from the URL; it is never logged. With a keyring, the shared tier is wrapped in a
+``SignedStore`` below the L1, so the L1 only ever holds verified values.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -24,9 +27,22 @@ from cachestore.breaker import BreakerPolicy
 from cachestore.memory import MemoryStore
 from cachestore.redis_store import RedisStore
 from cachestore.resilient import ResilientStore
+from cachestore.signed import SignedStore
+from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from cachestore.tiered import TieredStore
+
+
+@dataclass(frozen=True, slots=True)
+class RedisTLS:
+    """Files for a ``rediss://`` connection; the server's certificate is always verified."""
+
+    ca_file: Path | None = None
+    """CA bundle that signed the server's certificate (None: the system's CAs)."""
+    cert_file: Path | None = None
+    """Client certificate, for servers with ``tls-auth-clients yes``."""
+    key_file: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +54,13 @@ class StoreOptions:
     memory_max_bytes: int = 512 * 1024 * 1024
     l1_max_bytes: int = 256 * 1024 * 1024
     breaker: BreakerPolicy = BreakerPolicy()
+    tls: RedisTLS = RedisTLS()
+    username: str = ""
+    """Redis ACL user (empty: ``default``, or the URL's)."""
+    password: str = field(default="", repr=False)
+    """AUTH password (empty: the URL's, if any)."""
+    keyring: Keyring | None = None
+    """Signs values written to and verifies values read from the shared tier."""
 
 
 class StoreURLError(ValueError):
@@ -46,7 +69,17 @@ class StoreURLError(ValueError):
 
 def _redis_connector(url: str, options: StoreOptions) -> tuple[Callable[[], redis.Redis | RedisCluster], str]:
     parts = urlsplit(url)
+    tls = options.tls
+    if (tls.ca_file or tls.cert_file or tls.key_file) and not parts.scheme.startswith("rediss"):
+        raise StoreURLError(f"cache TLS files are set but the cache URL is {parts.scheme}://: use rediss:// "
+                            "(or rediss+cluster://) to connect over TLS")
+    if bool(tls.cert_file) != bool(tls.key_file):
+        raise StoreURLError("a Redis client certificate needs both its certificate file and its key file")
+    # Options in the URL's query (?ssl_ca_certs=...) take precedence over these, as in redis-py.
+    given = {"username": options.username, "password": options.password, "ssl_ca_certs": tls.ca_file,
+             "ssl_certfile": tls.cert_file, "ssl_keyfile": tls.key_file}
     common = dict(
+        **{k: str(v) for k, v in given.items() if v},
         socket_timeout=options.op_timeout_ms / 1e3,
         socket_connect_timeout=options.connect_timeout_ms / 1e3,
         # One retry absorbs a pooled connection that went stale (e.g. Redis restarted); more
@@ -88,5 +121,7 @@ def open_store(url: str, options: StoreOptions, stats: CacheStats) -> KVStore:
             "rediss+cluster:// (a Redis one optionally prefixed with tiered+)"
         )
     connect, name = _redis_connector(url, options)
-    shared = ResilientStore(RedisStore(connect, options.ttl_s, name), stats, options.breaker)
+    shared: KVStore = ResilientStore(RedisStore(connect, options.ttl_s, name), stats, options.breaker)
+    if options.keyring is not None:
+        shared = SignedStore(shared, options.keyring, stats)
     return TieredStore(MemoryStore(options.l1_max_bytes), shared) if tiered else shared

@@ -5,8 +5,11 @@ Invariants (docs/design.md, 1-2):
   canonical encoding (token ids as little-endian int32). A block's hash therefore names the whole
   prefix up to and including that block, not only the block's own tokens.
 - The namespace holds everything the tensor depends on besides the tokens: the format version,
-  the model fingerprint, the block size, the stored dtype and layout, and the request's salt. Two
-  requests share a block only when all of these are equal.
+  the model fingerprint, the block size, the stored dtype and layout, the authenticated tenant and
+  the request's salt. Two requests share a block only when all of these are equal.
+- With a namespace secret, ``h_0`` is keyed BLAKE2b under it: without the secret nobody can compute
+  a key from the model and the tokenizer (both public through the API), so nobody can plant a
+  value where a victim's prompt will look, nor test whether a prompt is cached by reading Redis.
 - No ``hash()`` (salted per process) and no pickle: the same prompt gives the same keys in every
   process on every machine.
 """
@@ -16,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import NewType
 
 import numpy as np
@@ -38,13 +41,19 @@ class Namespace:
     dtype: str
     layout: str
     salt: str = ""
+    tenant: str = ""
+    """The caller's authenticated tenant id (empty without API keys): tenants never share blocks."""
     extra: str = ""
     """Further inputs the K/V depends on, e.g. the encoder-input hash of an encoder-decoder model."""
     format_version: int = KEY_FORMAT_VERSION
+    secret: bytes = field(default=b"", repr=False)
+    """The fleet's namespace secret (empty: none); keys the hash, never part of the hashed text."""
 
     def digest(self) -> BlockHash:
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-        return BlockHash(hashlib.blake2b(canonical.encode(), digest_size=_DIGEST_BYTES).digest())
+        public = {k: v for k, v in asdict(self).items() if k != "secret"}
+        canonical = json.dumps(public, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        key = hashlib.blake2b(self.secret, digest_size=_DIGEST_BYTES).digest() if self.secret else b""
+        return BlockHash(hashlib.blake2b(canonical.encode(), digest_size=_DIGEST_BYTES, key=key).digest())
 
 
 def block_hashes(namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:

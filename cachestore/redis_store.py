@@ -7,6 +7,7 @@ cluster). Socket and connect timeouts bound every operation (milliseconds in the
 
 from __future__ import annotations
 
+import ssl
 import threading
 from collections.abc import Callable, Sequence
 
@@ -37,6 +38,15 @@ _ERROR_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
     ("response", redis.ResponseError),
     ("protocol", (StoreReplyError, redis.exceptions.InvalidResponse)),
 )
+
+
+def _caused_by(exc: BaseException, kind: type) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, kind):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 class RedisStore(KVStore):
@@ -88,6 +98,8 @@ class RedisStore(KVStore):
             self._client.delete(*keys)
 
     def error_kind(self, exc: Exception) -> str:
+        if isinstance(exc, redis.ConnectionError) and _caused_by(exc, ssl.SSLError):
+            return "tls"  # a failed handshake (unknown CA, bad client certificate) is a connection error to redis-py
         for kind, types in _ERROR_KINDS:
             if isinstance(exc, types):
                 return kind

@@ -80,6 +80,9 @@ class ResilientStore(KVStore):
     def delete(self, keys: Sequence[str]) -> None:
         self._call(self.write_breaker, "delete", lambda: self.inner.delete(keys), None)
 
+    def error_kind(self, exc: Exception) -> str:
+        return self.inner.error_kind(exc)
+
     def ping(self) -> None:
         self.inner.ping()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
-ERROR_KINDS = ("timeout", "connection", "auth", "out_of_memory", "response", "protocol", "error")
+ERROR_KINDS = ("timeout", "connection", "tls", "auth", "out_of_memory", "response", "protocol", "error")
 """Every label ``KVStore.error_kind`` may return (metrics show each from the start)."""
 
 

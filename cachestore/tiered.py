@@ -39,6 +39,9 @@ class TieredStore(KVStore):
         self.l1.delete(keys)
         self.l2.delete(keys)
 
+    def error_kind(self, exc: Exception) -> str:
+        return self.l2.error_kind(exc)
+
     def ping(self) -> None:
         self.l2.ping()
 

@@ -38,7 +38,8 @@ def test_only_full_blocks_get_hashes_and_the_chain_carries_the_prefix():
 
 
 @pytest.mark.parametrize("field, value", [("salt", "tenant-b"), ("block_size", 8), ("dtype", "float16"),
-                                          ("model_fingerprint", "cd" * 32), ("layout", "other"), ("extra", "enc")])
+                                          ("model_fingerprint", "cd" * 32), ("layout", "other"), ("extra", "enc"),
+                                          ("tenant", "tenant-b"), ("secret", b"s" * 32)])
 def test_every_namespace_field_changes_every_key(field, value):
     other = Namespace(**{**{f: getattr(NS, f) for f in NS.__slots__}, field: value})
     assert not set(block_hashes(NS, TOKENS)) & set(block_hashes(other, TOKENS))

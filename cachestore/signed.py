@@ -1,0 +1,70 @@
+"""A store whose values are signed on the way in and verified on the way out.
+
+It sits directly on the shared tier (below a worker's L1), so a value that does not verify never
+reaches the L1, the codec or the model. Such a value is a miss: counted by reason
+(``unsigned``/``signature``), logged once per burst, and deleted, so the worker's next publish of
+that block (set-if-absent) replaces it with a signed one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from cachestore.codec import RejectReason
+from cachestore.ratelimit import RateLimitedLog
+from cachestore.signing import Keyring, VerifyFailure
+from cachestore.stats import CacheStats
+from cachestore.store import KVStore
+
+log = logging.getLogger(__name__)
+_refused = RateLimitedLog(log)
+_REASONS = {VerifyFailure.UNSIGNED: RejectReason.UNSIGNED, VerifyFailure.SIGNATURE: RejectReason.SIGNATURE}
+
+
+class SignedStore(KVStore):
+    def __init__(self, inner: KVStore, keyring: Keyring, stats: CacheStats) -> None:
+        self.inner = inner
+        self.keyring = keyring
+        self.stats = stats
+        self.name = f"signed({inner.name})"
+
+    def get(self, key: str) -> memoryview | None:
+        return self.get_many([key])[0]
+
+    def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+        values: list[memoryview | None] = []
+        refused: list[str] = []
+        for key, envelope in zip(keys, self.inner.get_many(keys), strict=True):
+            if envelope is None:
+                values.append(None)
+                continue
+            verified = self.keyring.verify(key, envelope)
+            if isinstance(verified, VerifyFailure):
+                self.stats.count("rejected_values", _REASONS[verified])
+                _refused.warning("cache value %s refused (%s); deleted, computing instead", key, verified.value)
+                refused.append(key)
+                values.append(None)
+            else:
+                values.append(verified)
+        if refused:
+            self.inner.delete(refused)
+        return values
+
+    def put(self, key: str, value: bytes) -> bool:
+        return self.put_many([(key, value)]) > 0
+
+    def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
+        return self.inner.put_many([(key, self.keyring.sign(key, value)) for key, value in items])
+
+    def delete(self, keys: Sequence[str]) -> None:
+        self.inner.delete(keys)
+
+    def error_kind(self, exc: Exception) -> str:
+        return self.inner.error_kind(exc)
+
+    def ping(self) -> None:
+        self.inner.ping()
+
+    def close(self) -> None:
+        self.inner.close()

