@@ -28,6 +28,10 @@ class FailedPrecondition(KVShareError):
     without a chat template)."""
 
 
+class Unauthenticated(KVShareError):
+    """The call carries no API key the worker knows (API keys are configured)."""
+
+
 class Overloaded(KVShareError):
     """The worker cannot take the request now (every slot busy and the queue full, or shutting
     down); the message says what was full. Decided at once, before any work is done."""

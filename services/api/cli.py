@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from services.api.config import add_settings_flags, settings_from
 from services.modelbuild.presets import DECODER_PRESETS
@@ -20,6 +21,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     configure_logging(settings.log_level, settings.log_format)
+    if args.cache_url and urlsplit(args.cache_url.removeprefix("tiered+")).password:
+        print("kvshare serve: the --cache URL holds a password, which every user of this machine can read in the "
+              "process list: use --cache-password-file or KVSHARE_CACHE_PASSWORD (or KVSHARE_CACHE_URL)", file=sys.stderr)
+        return 2
     if settings.model is None:
         print("kvshare serve: --model DIR (or KVSHARE_MODEL) is required", file=sys.stderr)
         return 2

@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cachestore.breaker import BreakerPolicy
-from cachestore.factory import StoreOptions, open_store
+from cachestore.factory import RedisTLS, StoreOptions, open_store
+from cachestore.signing import Keyring, KeyringError, load_secret
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import ApiKeys, ApiKeysError
 from services.api.config import Settings
 from services.api.metrics import WorkerMetrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
@@ -24,7 +28,30 @@ from services.errors import StartupError
 log = logging.getLogger(__name__)
 
 
+PASSWORD_ENV = "KVSHARE_CACHE_PASSWORD"
+
+
+def _read_file(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise StartupError(f"cannot read the {what} {path}: {exc.strerror}") from exc
+
+
+def cache_password(settings: Settings, environ: dict[str, str] | None = None) -> str:
+    """The Redis AUTH password: from --cache-password-file, else KVSHARE_CACHE_PASSWORD, else ""."""
+    if settings.cache_password_file is not None:
+        return _read_file(settings.cache_password_file, "Redis password file").decode(errors="replace").strip()
+    return (os.environ if environ is None else environ).get(PASSWORD_ENV, "")
+
+
 def store_options(settings: Settings) -> StoreOptions:
+    keyring = None
+    if settings.cache_signing_key_file is not None:
+        try:
+            keyring = Keyring.load(settings.cache_signing_key_file)
+        except KeyringError as exc:
+            raise StartupError(str(exc)) from exc
     return StoreOptions(
         ttl_s=settings.cache_ttl_s,
         op_timeout_ms=settings.cache_op_timeout_ms,
@@ -33,18 +60,74 @@ def store_options(settings: Settings) -> StoreOptions:
         memory_max_bytes=settings.cache_memory_bytes,
         l1_max_bytes=settings.cache_l1_bytes,
         breaker=BreakerPolicy(settings.breaker_failures, settings.breaker_backoff_ms, settings.breaker_max_backoff_ms),
+        tls=RedisTLS(settings.cache_tls_ca_file, settings.cache_tls_cert_file, settings.cache_tls_key_file),
+        username=settings.cache_username,
+        password=cache_password(settings),
+        keyring=keyring,
     )
+
+
+def namespace_secret(settings: Settings) -> bytes:
+    if settings.cache_namespace_secret_file is None:
+        return b""
+    try:
+        return load_secret(settings.cache_namespace_secret_file, "namespace secret")
+    except KeyringError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def api_keys(settings: Settings) -> ApiKeys | None:
+    if settings.api_keys_file is None:
+        return None
+    try:
+        return ApiKeys.load(settings.api_keys_file)
+    except ApiKeysError as exc:
+        raise StartupError(str(exc)) from exc
+
+
+def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
+    """TLS credentials for the gRPC port (None: plaintext), mutual when a client CA is given."""
+    if settings.tls_cert_file is None and settings.tls_key_file is None:
+        if settings.tls_client_ca_file is not None:
+            raise StartupError("--tls-client-ca-file needs --tls-cert-file and --tls-key-file: client certificates "
+                               "are only checked over TLS")
+        return None
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        raise StartupError("gRPC TLS needs both --tls-cert-file and --tls-key-file")
+    ca = _read_file(settings.tls_client_ca_file, "client CA file") if settings.tls_client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(_read_file(settings.tls_key_file, "TLS key file"), _read_file(settings.tls_cert_file, "TLS certificate file"))],
+        root_certificates=ca, require_client_auth=ca is not None,
+    )
+
+
+def check_store(store) -> None:
+    """Pings the store once at start. Unreachable: a warning, and the worker serves (computing every
+    prompt until it answers). Refused credentials or a TLS handshake that fails: a StartupError, since
+    waiting will not fix a wrong password or CA."""
+    try:
+        store.ping()
+        log.info("cache store: %s", store.name)
+    except Exception as exc:  # noqa: BLE001 - any failure to reach it is the same news to an operator
+        kind = store.error_kind(exc)
+        if kind == "auth":
+            raise StartupError(f"cache store {store.name} refused the credentials ({exc}): check "
+                               f"--cache-username and --cache-password-file (or {PASSWORD_ENV})") from exc
+        if kind == "tls":
+            raise StartupError(f"cache store {store.name}: TLS handshake failed ({exc}): check the rediss:// "
+                               "host name, --cache-tls-ca-file and the client certificate") from exc
+        log.warning("cache store %s is unreachable at start-up (%s: %s); serving anyway, computing every "
+                    "prompt until it answers", store.name, type(exc).__name__, exc)
 
 
 def load_engine(settings: Settings) -> Engine:
     stats = CacheStats()
     store = open_store(settings.cache_url, store_options(settings), stats)
     try:
-        store.ping()
-        log.info("cache store: %s", store.name)
-    except Exception as exc:  # noqa: BLE001 - any failure to reach it is the same news to an operator
-        log.warning("cache store %s is unreachable at start-up (%s: %s); serving anyway, computing every "
-                    "prompt until it answers", store.name, type(exc).__name__, exc)
+        check_store(store)
+    except StartupError:
+        store.close()
+        raise
     options = EngineOptions(
         max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size,
         scheduler=SchedulerOptions(settings.max_batch, settings.max_queued, settings.max_prefill_tokens_per_step,
@@ -52,6 +135,7 @@ def load_engine(settings: Settings) -> Engine:
         kv_cache_bytes=settings.kv_cache_bytes,
         store_read_threads=settings.store_read_threads, store_write_threads=settings.store_write_threads,
         max_value_bytes=settings.cache_max_value_bytes,
+        namespace_secret=namespace_secret(settings),
     )
     return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads)
 
@@ -59,6 +143,7 @@ def load_engine(settings: Settings) -> Engine:
 async def serve(settings: Settings) -> None:
     """Serves until SIGTERM or SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while
     still accepting calls, and stops, giving in-flight streams ``drain_s`` seconds to finish."""
+    credentials, keys = server_credentials(settings), api_keys(settings)
     engine = load_engine(settings)
     server = grpc.aio.server(
         options=[
@@ -69,14 +154,15 @@ async def serve(settings: Settings) -> None:
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine), server)
+    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        address = f"{settings.host}:{settings.port}"
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
     except RuntimeError as exc:  # gRPC's only signal that the bind failed
         engine.close()
         raise StartupError(f"cannot listen on {settings.host}:{settings.port}: the address is in use or not "
@@ -93,7 +179,9 @@ async def serve(settings: Settings) -> None:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # Tests and scripts read this line to learn the port when --port 0 was given.
     print(f"kvshare listening on {settings.host}:{port}", flush=True)
-    log.info("serving %s (%s) on %s:%d", engine.spec.name, engine.session.execution_provider, settings.host, port)
+    log.info("serving %s (%s) on %s:%d (%s%s)", engine.spec.name, engine.session.execution_provider, settings.host, port,
+             "plaintext" if credentials is None else "TLS" if settings.tls_client_ca_file is None else "mutual TLS",
+             ", API keys required" if keys else "")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

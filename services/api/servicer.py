@@ -1,6 +1,8 @@
 """The gRPC face of the engine: converts messages, maps domain errors to status codes, streams.
 
-It holds no generation logic. Status codes: InvalidRequest -> INVALID_ARGUMENT, RequestOutOfRange
+It holds no generation logic. With API keys configured, every Generator call must carry a known key
+(the health and reflection services stay open for probes); its tenant enters the request. Status
+codes: Unauthenticated -> UNAUTHENTICATED, InvalidRequest -> INVALID_ARGUMENT, RequestOutOfRange
 -> OUT_OF_RANGE, FailedPrecondition (messages without a chat template) -> FAILED_PRECONDITION,
 Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, anything
 unexpected -> INTERNAL (a bug, logged with its traceback). Oversized messages never get here: gRPC
@@ -18,6 +20,7 @@ import grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import ApiKeys
 from services.engine.encoder_input import EncoderFeatures, EncoderRequest
 from services.engine.engine import Engine
 from services.engine.generation import (
@@ -32,6 +35,7 @@ from services.errors import (
     InvalidRequest,
     Overloaded,
     RequestOutOfRange,
+    Unauthenticated,
 )
 from services.runtime.chat_template import Message
 
@@ -56,6 +60,8 @@ def status_for(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, FailedPrecondition):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, Unauthenticated):
+        return grpc.StatusCode.UNAUTHENTICATED
     return grpc.StatusCode.INTERNAL
 
 
@@ -72,7 +78,7 @@ def chat_messages(messages) -> list[Message]:
     return [Message(m.role, m.content) for m in messages]
 
 
-def engine_request(request: pb.GenerateRequest) -> GenerationRequest:
+def engine_request(request: pb.GenerateRequest, tenant: str = "") -> GenerationRequest:
     sampling = request.sampling
     return GenerationRequest(
         prompt=request.prompt or None,
@@ -99,6 +105,7 @@ def engine_request(request: pb.GenerateRequest) -> GenerationRequest:
         cache=CacheControl(
             skip_read=request.cache.skip_read, skip_write=request.cache.skip_write, salt=request.cache.salt
         ),
+        tenant=tenant,
     )
 
 
@@ -119,14 +126,26 @@ def response_message(chunk: GenerationChunk) -> pb.GenerateResponse:
 
 
 class GeneratorServicer(pb_grpc.GeneratorServicer):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, api_keys: ApiKeys | None = None) -> None:
         self._engine = engine
+        self._api_keys = api_keys
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's tenant ("" without API keys); raises Unauthenticated."""
+        if self._api_keys is None:
+            return ""
+        tenant = self._api_keys.tenant(context.invocation_metadata() or ())
+        if tenant is None:
+            raise Unauthenticated("missing or unknown API key: send the metadata 'authorization: Bearer KEY' "
+                                  "with a key the worker's --api-keys-file lists")
+        return tenant
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             # aclosing: when the call is cancelled while this handler waits to send, the engine's
             # stream is closed now (halting its token loop), not whenever it is collected.
-            async with contextlib.aclosing(self._engine.generate(engine_request(request))) as stream:
+            tenant = self._tenant(context)
+            async with contextlib.aclosing(self._engine.generate(engine_request(request, tenant))) as stream:
                 async for chunk in stream:
                     yield response_message(chunk)
         except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never as UNKNOWN
@@ -134,6 +153,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
+            self._tenant(context)
             tokenizer, vocab = self._engine.tokenizer, self._engine.spec.vocab_size
             if sum(map(bool, (request.text, request.token_ids, request.messages))) > 1:
                 raise InvalidRequest("text", "set one of text, token_ids and messages")
@@ -151,6 +171,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             await _abort(context, exc)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        try:
+            self._tenant(context)
+        except Unauthenticated as exc:
+            await _abort(context, exc)
         spec, session = self._engine.spec, self._engine.session
         return pb.GetModelInfoResponse(
             name=spec.name,

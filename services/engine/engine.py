@@ -101,6 +101,8 @@ class EngineOptions:
     """Publishes waiting for the store beyond this are dropped (counted), bounding memory."""
     max_value_bytes: int = 128 * 1024 * 1024
     """Cross-attention values larger than this are not stored (Redis caps a value at 512 MiB)."""
+    namespace_secret: bytes = field(default=b"", repr=False)
+    """Keys every block and cross-attention key (``Namespace.secret``); the same on every worker."""
 
 
 MAX_DERIVED_BATCH = 64
@@ -185,22 +187,25 @@ class Engine:
         if pending:
             await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
 
-    def namespace(self, salt: str, encoder_input: BlockHash | None = None) -> Namespace:
+    def namespace(self, salt: str, encoder_input: BlockHash | None = None, tenant: str = "") -> Namespace:
         """Everything this worker's prefix K/V depends on besides the tokens (docs/design.md, invariant 2):
         for an encoder-decoder model also the encoder input, whose cross-attention feeds every
-        decoder layer, so the same decoder prompt under another encoder input never hits."""
+        decoder layer, so the same decoder prompt under another encoder input never hits. Keyed by
+        the fleet's namespace secret when one is configured."""
         return Namespace(
             model_fingerprint=self.spec.fingerprint,
             block_size=self.options.block_size,
             dtype=self.session.kv_dtype.name,
             layout=CANONICAL_LAYOUT,
             salt=salt,
+            tenant=tenant,
             extra=encoder_input.hex() if encoder_input else "",
+            secret=self.options.namespace_secret,
         )
 
-    def encoder_input_hash(self, salt: str, array: np.ndarray) -> BlockHash:
-        """Names an encoder input (and so its cross K/V) under the model, dtype, layout and salt."""
-        return encoder_input_hash(replace(self.namespace(salt), block_size=0), array)
+    def encoder_input_hash(self, salt: str, array: np.ndarray, tenant: str = "") -> BlockHash:
+        """Names an encoder input (and so its cross K/V) under the model, dtype, layout, tenant and salt."""
+        return encoder_input_hash(replace(self.namespace(salt, tenant=tenant), block_size=0), array)
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validates ``request``; raises InvalidRequest (or RequestOutOfRange) naming the field."""
@@ -362,14 +367,14 @@ class Engine:
     def _sequence(self, request: GenerationRequest, prepared: PreparedRequest, t0: float) -> Sequence:
         input_hash = None
         if prepared.encoder_input is not None:
-            input_hash = self.encoder_input_hash(request.cache.salt, prepared.encoder_input)
+            input_hash = self.encoder_input_hash(request.cache.salt, prepared.encoder_input, request.tenant)
         return Sequence(
             request_id=request.request_id or uuid.uuid4().hex,
             prompt=prepared.ids,
             max_new_tokens=request.max_new_tokens,
             sampler=Sampler(request.sampling),
             stop_token_ids=frozenset() if request.ignore_eos else frozenset(self.spec.eos_token_ids),
-            namespace=self.namespace(request.cache.salt, input_hash),
+            namespace=self.namespace(request.cache.salt, input_hash, request.tenant),
             cache=request.cache,
             t0=t0,
             loop=asyncio.get_running_loop(),

@@ -42,6 +42,9 @@ class GenerationRequest:
     request_id: str = ""
     encoder: EncoderRequest = field(default_factory=EncoderRequest)
     cache: CacheControl = field(default_factory=CacheControl)
+    tenant: str = ""
+    """The caller's tenant, from its authenticated credentials (never from a request field); it
+    enters the cache namespace, so tenants never share blocks."""
     return_logits: bool = False
     """Attach each generated position's logits to the chunks (engine-level checks; not in the API)."""
 

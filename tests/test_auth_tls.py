@@ -1,0 +1,184 @@
+"""Authenticated tenants, gRPC over TLS and mutual TLS, and Redis over TLS with AUTH: real
+`kvshare serve` processes, real gRPC over loopback, a real TLS-enabled redis-server."""
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import grpc
+import numpy as np
+import pytest
+from certs import TestCA
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from cachestore.signing import Keyring
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.local.redis_process import RedisServer, ServerTLS, supports_tls
+from services.local.worker_process import WorkerProcess
+
+pytestmark = pytest.mark.subprocess
+KEYS = {"acme": "acme-key-" + "1" * 32, "globex": "globex-key-" + "2" * 32}
+PROMPT = np.random.default_rng(11).integers(3, 500, size=3 * 64 + 9).tolist()
+
+
+def bearer(tenant: str) -> tuple[tuple[str, str]]:
+    return (("authorization", f"Bearer {KEYS[tenant]}"),)
+
+
+def generate(stub, ids=PROMPT, metadata=(), salt=""):
+    last = None
+    for last in stub.Generate(pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=4, ignore_eos=True,
+                                                 cache=pb.CacheOptions(salt=salt)), metadata=metadata, timeout=60):
+        pass
+    return last.usage.cached_prompt_tokens
+
+
+@pytest.fixture(scope="module")
+def keyed_worker(tiny_model, tmp_path_factory):
+    keys_file = tmp_path_factory.mktemp("auth") / "api-keys"
+    keys_file.write_text("# tenant  sha256(key)\n" + "".join(
+        f"{tenant} {hashlib.sha256(key.encode()).hexdigest()}\n" for tenant, key in KEYS.items()))
+    with WorkerProcess(tiny_model, "--api-keys-file", str(keys_file)) as worker:
+        yield worker
+
+
+@pytest.fixture()
+def keyed_stub(keyed_worker):
+    with keyed_worker.channel() as channel:
+        yield pb_grpc.GeneratorStub(channel), channel
+
+
+@pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer not-a-key"),), (("authorization", KEYS["acme"]),)],
+                         ids=["no key", "unknown key", "no Bearer"])
+def test_calls_without_a_valid_key_are_unauthenticated_and_health_stays_open(keyed_stub, metadata):
+    stub, channel = keyed_stub
+    calls = [lambda: generate(stub, metadata=metadata),
+             lambda: stub.Tokenize(pb.TokenizeRequest(text="hello"), metadata=metadata, timeout=10),
+             lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata, timeout=10)]
+    for call in calls:
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "authorization: Bearer KEY" in err.value.details()
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer("acme"), timeout=10).block_size == 64
+
+
+def test_tenants_never_share_blocks_and_cannot_probe_each_other(keyed_stub):
+    stub, _ = keyed_stub
+    probe = np.random.default_rng(12).integers(3, 500, size=3 * 64 + 9).tolist()
+    # Globex learns the same from a prompt Acme used and from one nobody used: nothing.
+    assert generate(stub, PROMPT, bearer("acme")) == 0
+    assert generate(stub, PROMPT, bearer("globex")) == 0
+    assert generate(stub, probe, bearer("globex")) == 0
+    # Within a tenant, blocks are shared; a salt splits further.
+    assert generate(stub, PROMPT, bearer("acme")) == 3 * 64
+    assert generate(stub, PROMPT, bearer("acme"), salt="team-b") == 0
+
+
+@pytest.fixture(scope="module")
+def ca(tmp_path_factory):
+    return TestCA(tmp_path_factory.mktemp("ca"))
+
+
+def tls_credentials(ca, client=None) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=ca.cert.read_bytes(), private_key=client.key.read_bytes() if client else None,
+        certificate_chain=client.cert.read_bytes() if client else None)
+
+
+def test_grpc_over_tls_and_plaintext_is_refused(tiny_model, ca):
+    server = ca.issue("worker", server=True)
+    with WorkerProcess(tiny_model, "--tls-cert-file", str(server.cert), "--tls-key-file", str(server.key),
+                       credentials=tls_credentials(ca)) as worker:
+        with worker.channel() as channel:
+            assert generate(pb_grpc.GeneratorStub(channel)) == 0
+        with grpc.insecure_channel(worker.target) as plain, pytest.raises(grpc.RpcError) as err:
+            generate(pb_grpc.GeneratorStub(plain))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_needs_a_client_certificate_from_the_ca(tiny_model, ca, tmp_path):
+    server, client = ca.issue("worker-m", server=True), ca.issue("client-m", server=False)
+    stranger = TestCA(tmp_path / "stranger").issue("stranger", server=False)
+    with WorkerProcess(tiny_model, "--tls-cert-file", str(server.cert), "--tls-key-file", str(server.key),
+                       "--tls-client-ca-file", str(ca.cert), credentials=tls_credentials(ca, client)) as worker:
+        with worker.channel() as channel:
+            assert generate(pb_grpc.GeneratorStub(channel)) == 0
+        for credentials in (tls_credentials(ca), tls_credentials(ca, stranger)):
+            with grpc.secure_channel(worker.target, credentials) as channel, pytest.raises(grpc.RpcError) as err:
+                generate(pb_grpc.GeneratorStub(channel))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+needs_tls_redis = pytest.mark.skipif(
+    not supports_tls(), reason="the redis-server found was built without TLS; as root, scripts/test.sh installs "
+                               "the system's redis-server, which has it (apt-get install redis-server)")
+
+
+@pytest.fixture(scope="module")
+def tls_redis(ca):
+    server = ca.issue("redis", server=True)
+    with RedisServer(tls=ServerTLS(server.cert, server.key, ca.cert, require_client_cert=True),
+                     password="redis-password-" + "9" * 24) as redis_server:
+        with redis_server.client() as c:
+            c.acl_setuser("kvshare", enabled=True, passwords=["+worker-password-" + "8" * 24],
+                          keys=["kvshare:*"], commands=["+get", "+mget", "+set", "+del", "+ping", "+hello", "+client"])
+        yield redis_server
+
+
+@needs_tls_redis
+def test_workers_share_blocks_through_rediss_with_an_acl_user_and_client_certificate(tiny_model, ca, tls_redis, tmp_path):
+    client = ca.issue("worker-r", server=False)
+    password = tmp_path / "redis-password"
+    password.write_text("worker-password-" + "8" * 24 + "\n")
+    signing = tmp_path / "signing-keys"
+    signing.write_text("k1 " + "s" * 64 + "\n")
+    common = ("--cache", tls_redis.url, "--cache-tls-ca-file", str(ca.cert), "--cache-tls-cert-file", str(client.cert),
+              "--cache-tls-key-file", str(client.key), "--cache-username", "kvshare", "--cache-signing-key-file", str(signing))
+    with (WorkerProcess(tiny_model, *common, "--cache-password-file", str(password)) as a,
+          WorkerProcess(tiny_model, *common, env={"KVSHARE_CACHE_PASSWORD": password.read_text().strip()}) as b):
+        with a.channel() as channel:
+            assert generate(pb_grpc.GeneratorStub(channel)) == 0
+        with tls_redis.client() as redis_client:
+            stored = {k.decode(): redis_client.get(k) for k in redis_client.keys("kvshare:v1:blk:*")}
+        keyring = Keyring.load(signing)
+        assert len(stored) == 3 and all(isinstance(keyring.verify(k, v), memoryview) for k, v in stored.items())
+        with b.channel() as channel:
+            assert generate(pb_grpc.GeneratorStub(channel)) == 3 * 64
+
+
+def serve_fails(tiny_model, *args, env=None) -> str:
+    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tiny_model), "--port", "0",
+                           *args], capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@needs_tls_redis
+def test_a_wrong_redis_password_or_ca_stops_the_worker_with_one_clear_line(tiny_model, ca, tls_redis, tmp_path):
+    client = ca.issue("worker-x", server=False)
+    other_ca = TestCA(tmp_path / "other")
+    tls = ("--cache-tls-cert-file", str(client.cert), "--cache-tls-key-file", str(client.key))
+    wrong_password = serve_fails(tiny_model, "--cache", tls_redis.url, "--cache-tls-ca-file", str(ca.cert), *tls,
+                                 env={"KVSHARE_CACHE_PASSWORD": "wrong"})
+    assert "refused the credentials" in wrong_password and "--cache-password-file" in wrong_password
+    wrong_ca = serve_fails(tiny_model, "--cache", tls_redis.url, "--cache-tls-ca-file", str(other_ca.cert), *tls,
+                           env={"KVSHARE_CACHE_PASSWORD": "redis-password-" + "9" * 24})
+    assert "TLS handshake failed" in wrong_ca and "--cache-tls-ca-file" in wrong_ca
+
+
+def test_secrets_never_come_from_the_command_line_and_bad_key_files_refuse_to_start(tiny_model, tmp_path):
+    line = serve_fails(tiny_model, "--cache", "redis://:hunter2@127.0.0.1:1")
+    assert "process list" in line and "hunter2" not in line
+    short = tmp_path / "short"
+    short.write_text("k1 tooshort\n")
+    assert "at least 32" in serve_fails(tiny_model, "--cache-signing-key-file", str(short))
+    assert "at least 32" in serve_fails(tiny_model, "--cache-namespace-secret-file", str(short))
+    plain = tmp_path / "plain-keys"
+    plain.write_text(f"acme {KEYS['acme']}\n")
+    assert "never the key itself" in serve_fails(tiny_model, "--api-keys-file", str(plain))
+    assert "cannot read" in serve_fails(tiny_model, "--api-keys-file", str(tmp_path / "missing"))
