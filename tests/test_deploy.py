@@ -41,8 +41,13 @@ RELEASE, NAMESPACE = "kvshare", "inference"
 
 OLDEST_KUBERNETES = "1.29.0"
 
-# Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*, metrics.*).
-CHART_MANAGED_SETTINGS = {"model", "host", "port", "cache_url", "metrics_port"}
+# Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*, metrics.*,
+# security.*), and file settings it does not offer yet: gRPC TLS (kubelet's gRPC probes speak no
+# TLS) and Redis client certificates; the Redis password comes from redis.auth.
+CHART_MANAGED_SETTINGS = {"model", "host", "port", "cache_url", "metrics_port", "cache_signing_key_file",
+                          "cache_namespace_secret_file", "api_keys_file"}
+CHART_UNOFFERED_SETTINGS = {"tls_cert_file", "tls_key_file", "tls_client_ca_file", "cache_tls_ca_file",
+                            "cache_tls_cert_file", "cache_tls_key_file", "cache_password_file"}
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,9 @@ VALUE_SETS: dict[str, ValueSet] = {
         "builtIn": {"enabled": True, "persistence": {"enabled": True, "storageClassName": "fast"}},
         "auth": {"existingSecret": "kvshare-redis"},
     }}),
+    "security": ValueSet({"security": {"signingKeys": {"existingSecret": "kvshare-signing"},
+                                       "namespaceSecret": {"existingSecret": "kvshare-namespace", "key": "secret"},
+                                       "apiKeys": {"existingSecret": "kvshare-api-keys"}}}),
     "autoscaling": ValueSet({"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8}}),
     "monitoring": ValueSet({"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
                                         "grafanaDashboard": {"enabled": True}}}),
@@ -198,6 +206,7 @@ def test_every_value_set_renders_the_expected_resources(rendered):
         "external-redis-secret": common,
         "builtin-redis-off": common,
         "builtin-redis-on": common + builtin_redis,
+        "security": common + builtin_redis,
         "autoscaling": common + builtin_redis + ["HorizontalPodAutoscaler"],
         "monitoring": common + builtin_redis + ["PodMonitor", "ConfigMap"],
         "metrics-off": [k for k in common if k != "NetworkPolicy"] + builtin_redis,
@@ -447,6 +456,22 @@ def test_external_redis_with_secret_and_tls(rendered):
     assert env == [{"name": "KVSHARE_CACHE_URL", "value": "tiered+redis+cluster://redis-cluster.cache.svc:6379"}]
 
 
+def test_security_secrets_are_mounted_read_only_and_named_by_their_variables(rendered):
+    docs = rendered["security"]
+    container = worker_container(docs)
+    files = {e["name"]: e["value"] for e in container["env"] if e["name"].endswith("_FILE")}
+    assert files == {"KVSHARE_API_KEYS_FILE": "/etc/kvshare/api-keys/api-keys",
+                     "KVSHARE_CACHE_NAMESPACE_SECRET_FILE": "/etc/kvshare/namespace-secret/secret",
+                     "KVSHARE_CACHE_SIGNING_KEY_FILE": "/etc/kvshare/signing-keys/signing-keys"}
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"] if m["name"].startswith("security-")}
+    assert {path.rsplit("/", 1)[0] for path in files.values()} == set(mounts) and all(m["readOnly"] for m in mounts.values())
+    volumes = {v["name"]: v["secret"] for v in find(docs, "Deployment")["spec"]["template"]["spec"]["volumes"]
+               if v["name"].startswith("security-")}
+    assert {v["secretName"] for v in volumes.values()} == {"kvshare-signing", "kvshare-namespace", "kvshare-api-keys"}
+    assert all(v["defaultMode"] == 0o400 for v in volumes.values())
+    assert not [e for e in worker_container(rendered["defaults"])["env"] if e["name"].endswith("_FILE")]
+
+
 @pytest.mark.parametrize(("url", "expected"), [
     ("redis://redis.cache:6379/0", "redis://:$(REDIS_PASSWORD)@redis.cache:6379/0"),
     ("rediss://default@redis.cache:6380", "rediss://default:$(REDIS_PASSWORD)@redis.cache:6380"),
@@ -493,7 +518,7 @@ def test_schema_config_keys_are_the_worker_settings():
     schema = json.loads((CHART / "values.schema.json").read_text())
     config_keys = set(schema["properties"]["config"]["properties"])
     assert schema["properties"]["config"]["additionalProperties"] is False
-    assert config_keys == {f.name for f in fields(Settings)} - CHART_MANAGED_SETTINGS
+    assert config_keys == {f.name for f in fields(Settings)} - CHART_MANAGED_SETTINGS - CHART_UNOFFERED_SETTINGS
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     assert set(defaults["config"]) <= config_keys
 

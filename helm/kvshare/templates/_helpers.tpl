@@ -190,3 +190,19 @@ plus a margin; terminationGracePeriodSeconds when set (checked to be no shorter)
 {{- else }} --save "" --appendonly no
 {{- end }}
 {{- end -}}
+
+{{/*
+The security files the workers read: one entry per configured security.* Secret, with the
+environment variable that names the file and the folder it is mounted in.
+*/}}
+{{- define "kvshare.securityFiles" -}}
+{{- $env := dict "signingKeys" "KVSHARE_CACHE_SIGNING_KEY_FILE" "namespaceSecret" "KVSHARE_CACHE_NAMESPACE_SECRET_FILE" "apiKeys" "KVSHARE_API_KEYS_FILE" -}}
+{{- $files := list -}}
+{{- range $name := keys $env | sortAlpha -}}
+{{- $s := get $.Values.security $name -}}
+{{- if $s.existingSecret -}}
+{{- $files = append $files (dict "volume" (printf "security-%s" ($name | kebabcase)) "env" (get $env $name) "secret" $s.existingSecret "key" $s.key "dir" (printf "/etc/kvshare/%s" ($name | kebabcase))) -}}
+{{- end -}}
+{{- end -}}
+{{- toYaml $files -}}
+{{- end -}}
