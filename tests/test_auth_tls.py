@@ -36,10 +36,15 @@ def generate(stub, ids=PROMPT, metadata=(), salt=""):
 
 
 @pytest.fixture(scope="module")
-def keyed_worker(tiny_model, tmp_path_factory):
-    keys_file = tmp_path_factory.mktemp("auth") / "api-keys"
-    keys_file.write_text("# tenant  sha256(key)\n" + "".join(
+def keys_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("auth") / "api-keys"
+    path.write_text("# tenant  sha256(key)\n" + "".join(
         f"{tenant} {hashlib.sha256(key.encode()).hexdigest()}\n" for tenant, key in KEYS.items()))
+    return path
+
+
+@pytest.fixture(scope="module")
+def keyed_worker(tiny_model, keys_file):
     with WorkerProcess(tiny_model, "--api-keys-file", str(keys_file)) as worker:
         yield worker
 
@@ -90,15 +95,27 @@ def tls_credentials(ca, client=None) -> grpc.ChannelCredentials:
         certificate_chain=client.cert.read_bytes() if client else None)
 
 
-def test_grpc_over_tls_and_plaintext_is_refused(tiny_model, ca):
+def test_grpc_over_tls_with_api_keys_and_the_cli_and_plaintext_is_refused(tiny_model, ca, keys_file, tmp_path):
     server = ca.issue("worker", server=True)
     with WorkerProcess(tiny_model, "--tls-cert-file", str(server.cert), "--tls-key-file", str(server.key),
-                       credentials=tls_credentials(ca)) as worker:
+                       "--api-keys-file", str(keys_file), credentials=tls_credentials(ca)) as worker:
         with worker.channel() as channel:
-            assert generate(pb_grpc.GeneratorStub(channel)) == 0
+            assert generate(pb_grpc.GeneratorStub(channel), metadata=bearer("acme")) == 0
         with grpc.insecure_channel(worker.target) as plain, pytest.raises(grpc.RpcError) as err:
-            generate(pb_grpc.GeneratorStub(plain))
+            generate(pb_grpc.GeneratorStub(plain), metadata=bearer("acme"))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        key_file = tmp_path / "key"
+        key_file.write_text(KEYS["globex"] + "\n")
+        cli = [sys.executable, "-m", "services.api.cli", "generate", "hello", "--max-new-tokens", "3",
+               "--target", worker.target, "--tls-ca-file", str(ca.cert)]
+        by_env = subprocess.run(cli, capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "KVSHARE_API_KEY": KEYS["acme"]})
+        assert by_env.returncode == 0 and "completion_tokens=3" in by_env.stderr, by_env.stderr
+        by_file = subprocess.run([*cli, "--api-key-file", str(key_file)], capture_output=True, text=True, timeout=60)
+        assert by_file.returncode == 0, by_file.stderr
+        anonymous = subprocess.run(cli, capture_output=True, text=True, timeout=60,
+                                   env={k: v for k, v in os.environ.items() if k != "KVSHARE_API_KEY"})
+        assert anonymous.returncode == 1 and "UNAUTHENTICATED" in anonymous.stderr
 
 
 def test_mutual_tls_needs_a_client_certificate_from_the_ca(tiny_model, ca, tmp_path):

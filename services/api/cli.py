@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from services.api.client import add_connection_flags
 from services.api.config import add_settings_flags, settings_from
 from services.modelbuild.presets import DECODER_PRESETS
 from services.runtime.kv_layout import KVLayout
@@ -44,9 +45,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.api.client import generate_main, generate_request
+    from services.api.client import Connection, generate_main, generate_request
 
-    return generate_main(args.target, generate_request(args), args.timeout_s)
+    return generate_main(Connection.from_args(args), generate_request(args), args.timeout_s)
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -77,12 +78,12 @@ def _build_model(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from kvshare.v1 import generator_pb2 as pb
-    from services.api.client import chat_main
+    from services.api.client import Connection, chat_main
 
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
     if args.top_p is not None:
         sampling.top_p = args.top_p
-    return chat_main(args.target, args.system, sampling, args.max_new_tokens, args.timeout_s)
+    return chat_main(Connection.from_args(args), args.system, sampling, args.max_new_tokens, args.timeout_s)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -113,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     defaults = argparse.ArgumentDefaultsHelpFormatter
     gen = sub.add_parser("generate", help="stream one completion from a running worker", formatter_class=defaults)
     gen.add_argument("prompt", help="the prompt text (for an encoder-decoder model: the decoder prompt, may be empty)")
-    gen.add_argument("--target", default="127.0.0.1:50051", help="worker host:port")
+    add_connection_flags(gen)
     gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 = all)")
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     chat = sub.add_parser("chat", help="talk to a worker's model on the terminal (its chat template)",
                           formatter_class=defaults)
-    chat.add_argument("--target", default="127.0.0.1:50051", help="worker host:port")
+    add_connection_flags(chat)
     chat.add_argument("--system", default=None, help="system message (unset: the template's own, if any)")
     chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

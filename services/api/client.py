@@ -3,14 +3,56 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+
+API_KEY_ENV = "KVSHARE_API_KEY"
+
+
+@dataclass(frozen=True, slots=True)
+class Connection:
+    """How to reach a worker: its address, TLS files (none: plaintext) and API key (none: no header)."""
+
+    target: str
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    api_key: str = field(default="", repr=False)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> Connection:
+        """From ``add_connection_flags``' flags; the key from --api-key-file, else KVSHARE_API_KEY."""
+        key = args.api_key_file.read_text().strip() if args.api_key_file else os.environ.get(API_KEY_ENV, "")
+        return cls(args.target, args.tls_ca_file, args.tls_cert_file, args.tls_key_file, key)
+
+    def channel(self) -> grpc.Channel:
+        if self.ca_file is None and self.cert_file is None:
+            return grpc.insecure_channel(self.target)
+        return grpc.secure_channel(self.target, grpc.ssl_channel_credentials(
+            root_certificates=self.ca_file.read_bytes() if self.ca_file else None,
+            private_key=self.key_file.read_bytes() if self.key_file else None,
+            certificate_chain=self.cert_file.read_bytes() if self.cert_file else None))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+
+def add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="127.0.0.1:50051", help="worker host:port")
+    parser.add_argument("--tls-ca-file", type=Path, default=None, help="connect over TLS, trusting this CA (PEM)")
+    parser.add_argument("--tls-cert-file", type=Path, default=None, help="client certificate for mutual TLS (PEM)")
+    parser.add_argument("--tls-key-file", type=Path, default=None, help="key of --tls-cert-file (PEM)")
+    parser.add_argument("--api-key-file", type=Path, default=None,
+                        help=f"file holding the API key sent as 'authorization: Bearer KEY' (or set {API_KEY_ENV})")
 
 
 @dataclass(slots=True)
@@ -23,14 +65,16 @@ class Completion:
     messages: int
 
 
-def stream(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None) -> Iterator[pb.GenerateResponse]:
-    yield from stub.Generate(request, timeout=timeout_s)
+def stream(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None,
+           metadata: tuple[tuple[str, str], ...] = ()) -> Iterator[pb.GenerateResponse]:
+    yield from stub.Generate(request, timeout=timeout_s, metadata=metadata)
 
 
-def complete(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None, echo=None) -> Completion:
+def complete(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None, echo=None,
+             metadata: tuple[tuple[str, str], ...] = ()) -> Completion:
     """Runs one Generate call to its end; ``echo(text)`` sees each text delta as it arrives."""
     texts, ids, last, count = [], [], None, 0
-    for message in stream(stub, request, timeout_s):
+    for message in stream(stub, request, timeout_s, metadata):
         texts.append(message.text)
         ids.extend(message.token_ids)
         last, count = message, count + 1
@@ -53,9 +97,9 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
     )
 
 
-def generate_main(target: str, request: pb.GenerateRequest, timeout_s: float) -> int:
+def generate_main(connection: Connection, request: pb.GenerateRequest, timeout_s: float) -> int:
     """`kvshare generate`: text to stdout as it streams, usage and timings to stderr."""
-    with grpc.insecure_channel(target) as channel:
+    with connection.channel() as channel:
         stub = pb_grpc.GeneratorStub(channel)
         echoed = []
 
@@ -64,7 +108,7 @@ def generate_main(target: str, request: pb.GenerateRequest, timeout_s: float) ->
             print(text, end="", flush=True)
 
         try:
-            done = complete(stub, request, timeout_s, echo=echo)
+            done = complete(stub, request, timeout_s, echo=echo, metadata=connection.metadata)
         except grpc.RpcError as exc:
             print(f"{chr(10) if echoed else ''}error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
@@ -79,13 +123,13 @@ def generate_main(target: str, request: pb.GenerateRequest, timeout_s: float) ->
     return 0
 
 
-def chat_main(target: str, system: str | None, sampling: pb.SamplingParams, max_new_tokens: int, timeout_s: float,
+def chat_main(connection: Connection, system: str | None, sampling: pb.SamplingParams, max_new_tokens: int, timeout_s: float,
               read=input) -> int:
     """`kvshare chat`: a conversation on the terminal. Each line is a user message; the answer streams
     back and both join the history that the next request sends as ``messages``. ``/reset`` starts
     over, ``/exit`` or end of input quits."""
     history: list[pb.ChatMessage] = [pb.ChatMessage(role="system", content=system)] if system else []
-    with grpc.insecure_channel(target) as channel:
+    with connection.channel() as channel:
         stub = pb_grpc.GeneratorStub(channel)
         print("kvshare chat: type a message; /reset starts over, /exit quits.", file=sys.stderr)
         while True:
@@ -105,7 +149,8 @@ def chat_main(target: str, system: str | None, sampling: pb.SamplingParams, max_
             history.append(pb.ChatMessage(role="user", content=line))
             request = pb.GenerateRequest(messages=history, max_new_tokens=max_new_tokens, sampling=sampling)
             try:
-                done = complete(stub, request, timeout_s, echo=lambda t: print(t, end="", flush=True))
+                done = complete(stub, request, timeout_s, echo=lambda t: print(t, end="", flush=True),
+                                metadata=connection.metadata)
             except grpc.RpcError as exc:
                 history.pop()
                 print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
