@@ -367,9 +367,9 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
     # The warm request had no new full block: it sends nothing (the cached ones are not sent again).
     assert samples["kvshare_cache_publish_bytes_total[]"] == stored_bytes
     assert samples["kvshare_inter_token_latency_seconds_count[]"] == 8  # one per gap: 4 in each request
-    for kind in ("timeout", "connection", "protocol"):  # a series each from the start, as for reasons
+    for kind in ("timeout", "connection", "tls", "protocol"):  # a series each from the start, as for reasons
         assert samples[f"kvshare_cache_store_errors_total[('kind', '{kind}')]"] == 0
-    for reason in ("format", "owner", "checksum", "non_finite", "out_of_range", "bad_output"):  # a series each from the start
+    for reason in ("format", "owner", "checksum", "non_finite", "out_of_range", "unsigned", "signature", "bad_output"):
         assert samples[f"kvshare_cache_values_rejected_total[('reason', '{reason}')]"] == 0
 
 
