@@ -176,3 +176,50 @@ def test_a_namespace_secret_makes_keys_unpredictable_and_is_shared_by_the_fleet(
     assert generate(b, ids)[1].usage.cached_prompt_tokens == 3 * B
     other = fleet("other", secret=b"another-secret-" + b"f" * 40)
     assert generate(other, ids, skip_write=True)[1].usage.cached_prompt_tokens == 0
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("poison", [np.nan, np.inf])
+def test_non_finite_values_signed_with_the_real_key_still_give_the_cold_answer(tiny_model, redis_server, redis_url,
+                                                                                tmp_path, poison):
+    """A buggy signer in the fleet: the MAC verifies, the K/V is NaN or infinite. The answer, greedy
+    or sampled, is the cold one and the status OK (the issue measured INTERNAL for every sampled
+    request before the range check)."""
+    import grpc
+
+    from kvshare.v1 import generator_pb2 as pb
+    from kvshare.v1 import generator_pb2_grpc as pb_grpc
+    from services.local.worker_process import WorkerProcess
+
+    keys = tmp_path / "signing-keys"
+    keys.write_text("k1 " + "n" * 64 + "\n")
+    keyring = Keyring.load(keys)
+    ids = prompt(3 * 64 + 7, seed=10)
+    with (WorkerProcess(tiny_model, "--cache", redis_url, "--cache-signing-key-file", str(keys)) as worker,
+          grpc.insecure_channel(worker.target) as channel):
+        stub = pb_grpc.GeneratorStub(channel)
+
+        def run(skip_read=False, **sampling):
+            request = pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=12, ignore_eos=True,
+                                         sampling=pb.SamplingParams(**sampling), cache=pb.CacheOptions(skip_read=skip_read))
+            out = [m for m in stub.Generate(request, timeout=60)]
+            return [t for m in out for t in m.token_ids], out[-1].usage.cached_prompt_tokens
+
+        greedy, _ = run()
+        sampled = dict(temperature=0.8, top_k=50, seed=7)
+        cold_sampled, _ = run(skip_read=True, **sampled)
+        with redis_server.client() as client:
+            stored = {key.decode(): keyring.verify(key.decode(), client.get(key)) for key in client.keys("kvshare:v1:blk:*")}
+            assert len(stored) == 3
+
+            def poison_every_block():
+                for key, value in stored.items():
+                    owner = bytes(value[28:60])  # the codec header: 8 fixed bytes, 5 dims, then the owner
+                    tensor = decode(value, Expected(ValueKind.PREFIX_BLOCK, owner, np.dtype(np.float32))).copy()
+                    tensor[..., 0] = poison
+                    client.set(key, keyring.sign(key, encode(ValueKind.PREFIX_BLOCK, owner, tensor)))
+
+            poison_every_block()
+            assert run() == (greedy, 0)
+            poison_every_block()
+            assert run(**sampled) == (cold_sampled, 0)
