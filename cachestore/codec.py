@@ -15,7 +15,8 @@ Layout (little-endian)::
 
 Blocks use the canonical layout ``[layers, 2 (k, v), kv_heads, block_tokens, head_dim]``.
 ``owner`` makes a value copied under another key (another namespace, another prefix) a miss.
-The checksum guards against corruption, not attackers (it is fast: it sits on the warm path).
+The checksum guards against corruption, not attackers (it is fast: it sits on the warm path); a
+value read from a signed store was verified by its MAC already, and skips it.
 A tensor holding NaN, infinity or a magnitude above ``MAX_ABS`` is refused too: served, it would
 poison every later token of the request, and no real K/V holds one.
 Decoding never copies the payload: the tensor is a read-only view of the value's bytes.
@@ -91,6 +92,8 @@ class Expected:
     dtype: np.dtype
     shape: tuple[int, ...] | None = None
     """Exact shape, or None to accept any shape (checked by the caller)."""
+    authenticated: bool = False
+    """The value's bytes were verified by a MAC already: the checksum pass is skipped."""
 
 
 def encode(kind: ValueKind, owner: bytes, tensor: np.ndarray) -> bytes:
@@ -131,7 +134,7 @@ def decode(value: bytes | memoryview, expected: Expected) -> np.ndarray:
     payload = view[offset:]
     if len(payload) != length or length != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
         raise CodecError(RejectReason.FORMAT, f"payload of {len(payload)} bytes, header says {length} for shape {tuple(shape)}")
-    if xxhash.xxh3_128_digest(payload) != checksum:
+    if not expected.authenticated and xxhash.xxh3_128_digest(payload) != checksum:
         raise CodecError(RejectReason.CHECKSUM, "checksum mismatch")
     tensor = np.frombuffer(payload, dtype=dtype).reshape(shape)
     check_range(tensor)

@@ -45,7 +45,7 @@ class CrossStore:
             self.stats.add(cross_misses=1)
             return None
         try:
-            kv = decode(value, Expected(ValueKind.CROSS_KV, input_hash, dtype))
+            kv = decode(value, Expected(ValueKind.CROSS_KV, input_hash, dtype, authenticated=self.store.authenticated))
             if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (layers, 2, heads, head_dim):
                 raise CodecError(RejectReason.FORMAT, f"shape {kv.shape} does not fit {layers} layers x {heads} heads x {head_dim}")
         except CodecError as exc:

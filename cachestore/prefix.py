@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -72,13 +72,14 @@ class PrefixStore:
         hashes = self.hashes(namespace, token_ids)
         keys = [block_key(h) for h in hashes]
         values = self.store.get_many(keys) if keys else []
-        shape = self.geometry.block_shape(namespace.block_size)
+        expected = Expected(ValueKind.PREFIX_BLOCK, b"", self.geometry.dtype, self.geometry.block_shape(namespace.block_size),
+                            self.store.authenticated)
         run: list[np.ndarray] = []
         for h, key, value in zip(hashes, keys, values, strict=True):
             if value is None:
                 break
             try:
-                run.append(decode(value, Expected(ValueKind.PREFIX_BLOCK, h, self.geometry.dtype, shape)))
+                run.append(decode(value, replace(expected, owner=h)))
             except CodecError as exc:
                 self.stats.count("rejected_values", exc.reason)
                 _rejected.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)

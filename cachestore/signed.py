@@ -23,6 +23,8 @@ _REASONS = {VerifyFailure.UNSIGNED: RejectReason.UNSIGNED, VerifyFailure.SIGNATU
 
 
 class SignedStore(KVStore):
+    authenticated = True
+
     def __init__(self, inner: KVStore, keyring: Keyring, stats: CacheStats) -> None:
         self.inner = inner
         self.keyring = keyring

@@ -24,6 +24,9 @@ class KVStore(ABC):
     them with something better (pipelines, MGET)."""
 
     name: str = "store"
+    authenticated: bool = False
+    """Every value this store returns was verified by a MAC over its bytes (so a checksum over the
+    same bytes would add nothing)."""
 
     @abstractmethod
     def get(self, key: str) -> bytes | None:

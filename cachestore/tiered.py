@@ -14,6 +14,8 @@ class TieredStore(KVStore):
     def __init__(self, l1: MemoryStore, l2: KVStore) -> None:
         self.l1, self.l2 = l1, l2
         self.name = f"tiered({l1.name}+{l2.name})"
+        # The L1 holds only what L2 returned or this worker wrote itself.
+        self.authenticated = l2.authenticated
 
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]

@@ -255,3 +255,17 @@ def test_cross_kv_that_readers_would_refuse_is_never_stored():
     bad[0, 0, 0, 0, 0] = np.nan
     assert not cross.put(OWNER, bad) and store.used_bytes == 0
     assert cross.put(OWNER, BLOCK) and store.used_bytes > 0
+
+
+def test_a_value_verified_by_its_mac_skips_only_the_checksum():
+    value = bytearray(encode(ValueKind.PREFIX_BLOCK, OWNER, BLOCK))
+    value[-60:-56] = np.float32(1.5).tobytes()  # a payload change the checksum would catch
+    with pytest.raises(CodecError) as err:
+        decode(bytes(value), EXPECT)
+    assert err.value.reason == "checksum"
+    verified = Expected(ValueKind.PREFIX_BLOCK, OWNER, np.dtype(np.float32), BLOCK.shape, authenticated=True)
+    assert decode(bytes(value), verified).reshape(-1)[-15] == 1.5
+    value[-4:] = np.float32(np.nan).tobytes()
+    with pytest.raises(CodecError) as err:
+        decode(bytes(value), verified)
+    assert err.value.reason == "non_finite", "every other check still holds"
