@@ -4,7 +4,12 @@ It holds no generation logic. Status codes: InvalidRequest -> INVALID_ARGUMENT, 
 -> OUT_OF_RANGE, FailedPrecondition (messages without a chat template) -> FAILED_PRECONDITION,
 Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, anything
 unexpected -> INTERNAL (a bug, logged with its traceback). Oversized messages never get here: gRPC
-refuses them with RESOURCE_EXHAUSTED.
+refuses them with RESOURCE_EXHAUSTED; nor do requests that do not parse (services/api/method_handlers.py
+answers them INVALID_ARGUMENT).
+
+Converting a message costs the event loop O(its size); repeated fields are handed to the engine as
+they are, or cut one past the engine's limit, so that a request of a million stop strings or
+messages is refused before a million Python objects are made for it.
 """
 
 from __future__ import annotations
@@ -25,7 +30,9 @@ from services.engine.generation import (
     FinishReason,
     GenerationChunk,
     GenerationRequest,
+    TokenizeRequest,
 )
+from services.engine.request_limits import MAX_MESSAGES
 from services.engine.sampling import SamplingConfig
 from services.errors import (
     FailedPrecondition,
@@ -69,14 +76,15 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
 
 
 def chat_messages(messages) -> list[Message]:
-    return [Message(m.role, m.content) for m in messages]
+    """At most one past the engine's limit: enough for it to refuse the request."""
+    return [Message(m.role, m.content) for m in messages[: MAX_MESSAGES + 1]]
 
 
-def engine_request(request: pb.GenerateRequest) -> GenerationRequest:
+def engine_request(request: pb.GenerateRequest, max_stop_strings: int) -> GenerationRequest:
     sampling = request.sampling
     return GenerationRequest(
         prompt=request.prompt or None,
-        prompt_token_ids=list(request.prompt_token_ids) or None,
+        prompt_token_ids=request.prompt_token_ids or None,
         messages=chat_messages(request.messages) or None,
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingConfig(
@@ -85,12 +93,12 @@ def engine_request(request: pb.GenerateRequest) -> GenerationRequest:
             top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
             seed=sampling.seed if sampling.HasField("seed") else None,
         ),
-        stop=list(request.stop),
+        stop=list(request.stop[: max_stop_strings + 1]),
         ignore_eos=request.ignore_eos,
         request_id=request.request_id,
         encoder=EncoderRequest(
             prompt=request.encoder_prompt or None,
-            token_ids=list(request.encoder_prompt_token_ids) or None,
+            token_ids=request.encoder_prompt_token_ids or None,
             features=EncoderFeatures(
                 shape=tuple(request.encoder_features.shape), dtype=request.encoder_features.dtype,
                 data=request.encoder_features.data,
@@ -126,7 +134,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             # aclosing: when the call is cancelled while this handler waits to send, the engine's
             # stream is closed now (halting its token loop), not whenever it is collected.
-            async with contextlib.aclosing(self._engine.generate(engine_request(request))) as stream:
+            generation = engine_request(request, self._engine.limits.stop_strings)
+            async with contextlib.aclosing(self._engine.generate(generation)) as stream:
                 async for chunk in stream:
                     yield response_message(chunk)
         except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never as UNKNOWN
@@ -134,19 +143,11 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
-            tokenizer, vocab = self._engine.tokenizer, self._engine.spec.vocab_size
-            if sum(map(bool, (request.text, request.token_ids, request.messages))) > 1:
-                raise InvalidRequest("text", "set one of text, token_ids and messages")
-            if request.messages:
-                text = self._engine.render_chat(chat_messages(request.messages))
-                return pb.TokenizeResponse(token_ids=tokenizer.encode(text), text=text)
-            if request.token_ids:
-                ids = list(request.token_ids)
-                for i, t in enumerate(ids):
-                    if not 0 <= t < vocab:
-                        raise InvalidRequest(f"token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
-                return pb.TokenizeResponse(token_ids=ids, text=tokenizer.decode(ids))
-            return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text), text=request.text)
+            result = await self._engine.tokenize(TokenizeRequest(
+                text=request.text or None, token_ids=request.token_ids or None,
+                messages=chat_messages(request.messages) or None,
+            ))
+            return pb.TokenizeResponse(token_ids=result.token_ids, text=result.text)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
 

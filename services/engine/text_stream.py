@@ -24,9 +24,11 @@ _REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] | StopMatcher = ()) -> None:
+        """``stop``: the stop strings, or their automaton built beforehand (off the event loop:
+        building takes milliseconds for many long stop strings)."""
         self._tokenizer = tokenizer
-        self._stops = StopMatcher(stop) if stop else None
+        self._stops = stop if isinstance(stop, StopMatcher) else StopMatcher(stop) if stop else None
         self._state = ROOT
         self._ids: list[int] = []
         # Decoding only the window ids[_prefix:] keeps each step O(window), not O(output).
