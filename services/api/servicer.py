@@ -31,6 +31,7 @@ from services.engine.generation import (
     GenerationChunk,
     GenerationRequest,
     TokenizeRequest,
+    TokenizeResult,
 )
 from services.engine.request_limits import MAX_MESSAGES
 from services.engine.sampling import SamplingConfig
@@ -45,6 +46,8 @@ from services.runtime.chat_template import Message
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+
+IDS_PER_PIECE = 32768
 
 _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -110,6 +113,16 @@ def engine_request(request: pb.GenerateRequest, max_stop_strings: int) -> Genera
     )
 
 
+def tokenize_response(result: TokenizeResult) -> pb.TokenizeResponse:
+    """Built on a tokenizer thread, in pieces of ``IDS_PER_PIECE`` ids: each piece holds the GIL
+    about a millisecond, so the scheduler thread is never kept from it for long by a call
+    answering a million ids."""
+    message = pb.TokenizeResponse(text=result.text)
+    for start in range(0, len(result.token_ids), IDS_PER_PIECE):
+        message.token_ids.extend(result.token_ids[start : start + IDS_PER_PIECE])
+    return message
+
+
 def response_message(chunk: GenerationChunk) -> pb.GenerateResponse:
     message = pb.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
     if chunk.finish_reason is not None:
@@ -143,11 +156,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
-            result = await self._engine.tokenize(TokenizeRequest(
+            return await self._engine.tokenize(TokenizeRequest(
                 text=request.text or None, token_ids=request.token_ids or None,
                 messages=chat_messages(request.messages) or None,
-            ))
-            return pb.TokenizeResponse(token_ids=result.token_ids, text=result.text)
+            ), tokenize_response)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
 

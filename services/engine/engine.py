@@ -313,11 +313,12 @@ class Engine:
         if not 0.0 < s.top_p <= 1.0:
             raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
 
-    async def tokenize(self, request: TokenizeRequest) -> TokenizeResult:
-        """The Tokenize call: text or messages to ids, or ids to text. Sizes are checked on the
-        event loop, the rest runs on a tokenizer thread."""
+    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R]) -> R:
+        """The Tokenize call: text or messages to ids, or ids to text; returns ``shape(result)``.
+        Sizes are checked on the event loop; the rest, ``shape`` included, runs on a tokenizer
+        thread: turning a million ids into the caller's message must not hold the loop."""
         self.limits.check_prompt("text", request.text, request.messages)
-        return await self._off_loop(self._tokenize, request)
+        return await self._off_loop(lambda r: shape(self._tokenize(r)), request)
 
     def _tokenize(self, request: TokenizeRequest) -> TokenizeResult:
         if sum(map(bool, (request.text, request.token_ids, request.messages))) > 1:
