@@ -8,21 +8,11 @@ same stream in the same run, so the test means the same on a fast and on a slow 
 preset with one intra-op thread makes decode steps long and regular next to scheduling noise.
 """
 
-import statistics
-import time
-
 import grpc
-import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from bench.stalls import (
-    MESSAGE_BYTES,
-    RunningStream,
-    big_text,
-    raw_call,
-    stream_request,
-)
+from bench.stalls import MESSAGE_BYTES, big_text, call_during_stream
 from kvshare.v1 import generator_pb2 as pb
 from services.local.worker_process import WorkerProcess
 from services.runtime.kv_layout import KVLayout
@@ -49,24 +39,6 @@ def workers(bench_folder):
         yield {"default": default, "raised": raised}
 
 
-def call_during_stream(worker: WorkerProcess, method: str, request: bytes) -> tuple[grpc.StatusCode, bytes, float]:
-    """(status, response bytes or details, longest gap of a running stream while the call was
-    answered ÷ the median of its 100 gaps before)."""
-    stream = RunningStream(worker.target, stream_request(3000))
-    try:
-        stream.wait_for_tokens(150)
-        median = statistics.median(np.diff(stream.arrivals[-101:]))
-        with grpc.insecure_channel(worker.target, options=[("grpc.max_receive_message_length", MESSAGE_BYTES)]) as ch:
-            start = time.perf_counter()
-            status, answer = raw_call(ch, method, request, timeout_s=300)
-            end = time.perf_counter()
-        stream.wait_for_tokens(5)  # the gap that was open when the answer came has closed
-        longest = stream.gaps_ms(start, end).max() / 1e3
-    finally:
-        stream.cancel()
-    return status, answer, longest / median
-
-
 @pytest.mark.parametrize(("limit", "method", "expected"), [
     ("default", "Generate", grpc.StatusCode.INVALID_ARGUMENT),
     ("raised", "Generate", grpc.StatusCode.OUT_OF_RANGE),
@@ -76,13 +48,14 @@ def call_during_stream(worker: WorkerProcess, method: str, request: bytes) -> tu
 def test_a_big_call_does_not_stop_a_running_stream(workers, bench_folder, text, limit, method, expected):
     request = (pb.GenerateRequest(prompt=text, max_new_tokens=16) if method == "Generate"
                else pb.TokenizeRequest(text=text)).SerializeToString()
-    status, answer, ratio = call_during_stream(workers[limit], method, request)
-    assert status == expected, answer[:300]
-    assert ratio < GAP_RATIO, f"the stream's longest gap was {ratio:.1f}x its median while {method} ran"
-    if status == grpc.StatusCode.INVALID_ARGUMENT:
-        assert b"--max-prompt-bytes" in answer
-    if status == grpc.StatusCode.OUT_OF_RANGE:
-        assert b"context length of 4096 tokens" in answer
-    if status == grpc.StatusCode.OK:  # the ids the GIL-free path made are the library's plain encode's
+    seen = call_during_stream(workers[limit].target, method, request)
+    assert seen.status == expected, seen.answer[:300]
+    assert seen.ratio < GAP_RATIO, (f"the stream's longest gap was {seen.longest_gap_ms:.0f} ms, {seen.ratio:.1f}x its "
+                                    f"median, while {method} was answered")
+    if seen.status == grpc.StatusCode.INVALID_ARGUMENT:
+        assert b"--max-prompt-bytes" in seen.answer
+    if seen.status == grpc.StatusCode.OUT_OF_RANGE:
+        assert b"context length of 4096 tokens" in seen.answer
+    if seen.status == grpc.StatusCode.OK:  # the ids the GIL-free path made are the library's plain encode's
         reference = Tokenizer.from_file(str(bench_folder / "tokenizer.json")).encode(text).ids
-        assert list(pb.TokenizeResponse.FromString(answer).token_ids) == reference
+        assert list(pb.TokenizeResponse.FromString(seen.answer).token_ids) == reference
