@@ -103,7 +103,7 @@ def engine_request(request: pb.GenerateRequest, max_stop_strings: int) -> Genera
             prompt=request.encoder_prompt or None,
             token_ids=request.encoder_prompt_token_ids or None,
             features=EncoderFeatures(
-                shape=tuple(request.encoder_features.shape), dtype=request.encoder_features.dtype,
+                shape=request.encoder_features.shape, dtype=request.encoder_features.dtype,
                 data=request.encoder_features.data,
             ) if request.HasField("encoder_features") else None,
         ),

@@ -21,7 +21,7 @@ _FEATURE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 class EncoderFeatures:
     """A dense tensor from the request: ``data`` is little-endian, C order."""
 
-    shape: tuple[int, ...]
+    shape: Sequence[int]
     dtype: str
     data: bytes
 
@@ -65,10 +65,11 @@ def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextToken
         dtype = _FEATURE_DTYPES.get(f.dtype)
         if dtype is None:
             raise InvalidRequest(f"{field}.dtype", f"{f.dtype!r} is not one of {sorted(_FEATURE_DTYPES)}")
+        shape = tuple(f.shape)
         # math.prod on Python ints: a huge shape cannot wrap around and pass the size check.
-        if any(d <= 0 for d in f.shape) or len(f.data) != math.prod(f.shape) * dtype.itemsize:
-            raise InvalidRequest(f"{field}.data", f"{len(f.data)} bytes do not hold a {f.dtype} tensor of shape {list(f.shape)}")
-        array = np.frombuffer(f.data, dtype=dtype).reshape(f.shape).astype(dtype.newbyteorder("="))
+        if any(d <= 0 for d in shape) or len(f.data) != math.prod(shape) * dtype.itemsize:
+            raise InvalidRequest(f"{field}.data", f"{len(f.data)} bytes do not hold a {f.dtype} tensor of shape {list(shape)}")
+        array = np.frombuffer(f.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
         if not np.isfinite(array).all():
             raise InvalidRequest(f"{field}.data", "the features hold NaN or infinity")
     else:

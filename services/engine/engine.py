@@ -50,7 +50,11 @@ from services.engine.generation import (
     TokenizeResult,
     Usage,
 )
-from services.engine.request_limits import RequestLimits, derived_prompt_bytes
+from services.engine.request_limits import (
+    SHRINKING_TOKENIZER_FACTOR,
+    RequestLimits,
+    derived_prompt_bytes,
+)
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
 from services.engine.sequence import Sequence
@@ -181,7 +185,8 @@ class Engine:
             origin = (f"the most text that can fit the model's context of {context} tokens, at most "
                       f"{token_bytes.longest} bytes per token")
             if token_bytes.shrinker is not None:
-                origin = f"{prompt_bytes // context} bytes per token of the context: the tokenizer's {token_bytes.shrinker} can drop text"
+                origin = (f"{SHRINKING_TOKENIZER_FACTOR}x the context of {context} tokens at {token_bytes.longest} "
+                          f"bytes per token, since the tokenizer's {token_bytes.shrinker} can drop text")
                 log.warning("the tokenizer's %s can drop or shorten text, so no prompt size is too large to fit the "
                             "context; prompts are limited to %d bytes (--max-prompt-bytes sets another limit)",
                             token_bytes.shrinker, prompt_bytes)
