@@ -18,7 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.fleet import QUESTION_TOKENS, bench_model, cold, fleet, median, parse_args, print_table, warm, warm_up
+from bench.fleet import (
+    QUESTION_TOKENS,
+    bench_model,
+    cold,
+    fleet,
+    median,
+    parse_args,
+    print_table,
+    warm,
+    warm_up,
+)
 from kvshare.v1 import generator_pb2 as pb
 from services.local.redis_process import RedisServer
 

@@ -199,3 +199,12 @@ def test_secrets_never_come_from_the_command_line_and_bad_key_files_refuse_to_st
     plain.write_text(f"acme {KEYS['acme']}\n")
     assert "never the key itself" in serve_fails(tiny_model, "--api-keys-file", str(plain))
     assert "cannot read" in serve_fails(tiny_model, "--api-keys-file", str(tmp_path / "missing"))
+
+
+def test_an_unauthenticated_caller_learns_nothing_from_how_its_bytes_parse(keyed_worker):
+    with keyed_worker.channel() as channel:
+        raw = channel.unary_unary("/kvshare.v1.Generator/Tokenize", request_serializer=None, response_deserializer=None)
+        for metadata, code in (((), grpc.StatusCode.UNAUTHENTICATED), (bearer("acme"), grpc.StatusCode.INVALID_ARGUMENT)):
+            with pytest.raises(grpc.RpcError) as err:
+                raw(b"\x0a\x02\xff\xfe", metadata=metadata, timeout=10)  # field 1 (text): invalid UTF-8
+            assert err.value.code() == code

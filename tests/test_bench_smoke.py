@@ -11,7 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.subprocess
 
 
-@pytest.mark.parametrize("bench", ["ttft", "fetch", "decode", "overhead", "block_size", "batch", "load", "reliability", "signing", "attacks"])
+@pytest.mark.parametrize("bench", ["ttft", "fetch", "decode", "overhead", "block_size", "batch", "load", "reliability",
+                                   "stalls", "signing", "attacks"])
 def test_benchmark_smoke_run(bench, tmp_path):
     extra = ["--plot", str(tmp_path / f"{bench}.png")] if bench in ("ttft", "batch") else []
     proc = subprocess.run([sys.executable, "-m", f"bench.{bench}", "--smoke", *extra], cwd=ROOT,

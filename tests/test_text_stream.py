@@ -2,6 +2,8 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from services.engine.text_stream import TextStream
 from services.runtime.tokenizer import TextTokenizer
@@ -65,3 +67,68 @@ def test_partial_stop_prefix_is_released_when_not_a_stop(tokenizer):
     deltas, stream = stream_all(tokenizer, ids, stop=["STOP"])
     assert not stream.stopped
     assert "".join(deltas) == "one ST two STOX three"
+
+
+class PieceTokenizer:
+    """Token i decodes to ``pieces[i]``: text streams of any shape, without a real vocabulary."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.pieces[i] for i in ids)
+
+
+def first_stop_cut(pieces: list[str], stops: list[str]) -> tuple[str, bool]:
+    """What the stream must send in all: the text up to the piece that completes a stop string, cut
+    before the earliest-starting stop string in it; or all of it when none completes."""
+    text = ""
+    for piece in pieces:
+        text += piece
+        starts = [text.find(s) for s in stops if s in text]
+        if starts:
+            return text[: min(starts)], True
+    return text, False
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+def check_stream(pieces: list[str], stops: list[str]) -> None:
+    stream = TextStream(PieceTokenizer(pieces), stops)
+    sent, text = "", ""
+    for i, piece in enumerate(pieces):
+        sent += stream.push(i)
+        text += piece
+        if stream.stopped:
+            break
+        # Everything that cannot begin a stop string is sent at once, nothing that can is.
+        assert sent == text[: len(text) - held_back(text, stops)]
+    sent += stream.finish()
+    assert (sent, stream.stopped) == first_stop_cut(pieces, stops)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, database=None)
+@given(pieces=st.lists(st.text("abé", min_size=1, max_size=4), min_size=1, max_size=30),
+       stops=st.lists(st.text("abé", min_size=1, max_size=6), min_size=1, max_size=40))
+def test_overlapping_stops_match_the_definition(pieces, stops):
+    check_stream(pieces, stops)
+
+
+def test_deeply_overlapping_stops():
+    # Every stop is a prefix, suffix or infix of others: the automaton's failure and output links
+    # all matter. The text holds back up to 70 characters, then completes only the longest stop.
+    stops = ["a" * n + "b" for n in range(1, 60)] + ["ba" * n for n in range(2, 40)] + ["b" + "a" * 70 + "c"]
+    check_stream(["b"] + ["a"] * 70 + ["x", "c", "b", "a", "a", "a"], stops)
+    pieces = ["b"] + ["a"] * 70 + ["c"]
+    assert first_stop_cut(pieces, stops) == ("", True)
+    check_stream(pieces, stops)
+
+
+def test_thousands_of_stops():
+    stops = [f"<{i}>" for i in range(5000)] + ["a" * n for n in range(2, 200)]
+    pieces = ["x<", "12", "3", "4", "9", ">", "<49", "99", ">y"]
+    deltas, stream = stream_all(PieceTokenizer(pieces), range(len(pieces)), stops)
+    assert stream.stopped and "".join(deltas) == "x<12349>" == first_stop_cut(pieces, stops)[0]

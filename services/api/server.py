@@ -16,9 +16,9 @@ from cachestore.breaker import BreakerPolicy
 from cachestore.factory import RedisTLS, StoreOptions, open_store
 from cachestore.signing import Keyring, KeyringError, load_secret
 from cachestore.stats import CacheStats
-from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.api_keys import ApiKeys, ApiKeysError
 from services.api.config import Settings
+from services.api.method_handlers import add_generator_to_server
 from services.api.metrics import WorkerMetrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
@@ -136,6 +136,8 @@ def load_engine(settings: Settings) -> Engine:
         store_read_threads=settings.store_read_threads, store_write_threads=settings.store_write_threads,
         max_value_bytes=settings.cache_max_value_bytes,
         namespace_secret=namespace_secret(settings),
+        max_prompt_bytes=settings.max_prompt_bytes, max_stop_strings=settings.max_stop_strings,
+        max_stop_string_bytes=settings.max_stop_string_bytes, tokenizer_threads=settings.tokenizer_threads,
     )
     return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads)
 
@@ -154,7 +156,7 @@ async def serve(settings: Settings) -> None:
             ("grpc.so_reuseport", 0),
         ]
     )
-    pb_grpc.add_GeneratorServicer_to_server(GeneratorServicer(engine, keys), server)
+    add_generator_to_server(GeneratorServicer(engine, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -6,7 +6,12 @@ codes: Unauthenticated -> UNAUTHENTICATED, InvalidRequest -> INVALID_ARGUMENT, R
 -> OUT_OF_RANGE, FailedPrecondition (messages without a chat template) -> FAILED_PRECONDITION,
 Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, anything
 unexpected -> INTERNAL (a bug, logged with its traceback). Oversized messages never get here: gRPC
-refuses them with RESOURCE_EXHAUSTED.
+refuses them with RESOURCE_EXHAUSTED; nor do requests that do not parse (services/api/method_handlers.py
+answers them INVALID_ARGUMENT).
+
+Converting a message costs the event loop O(its size); repeated fields are handed to the engine as
+they are, or cut one past the engine's limit, so that a request of a million stop strings or
+messages is refused before a million Python objects are made for it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ from services.engine.generation import (
     FinishReason,
     GenerationChunk,
     GenerationRequest,
+    TokenizeRequest,
+    TokenizeResult,
 )
+from services.engine.request_limits import MAX_MESSAGES
 from services.engine.sampling import SamplingConfig
 from services.errors import (
     FailedPrecondition,
@@ -42,6 +50,8 @@ from services.runtime.chat_template import Message
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
+
+IDS_PER_PIECE = 32768
 
 _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -75,14 +85,15 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> NoReturn:
 
 
 def chat_messages(messages) -> list[Message]:
-    return [Message(m.role, m.content) for m in messages]
+    """At most one past the engine's limit: enough for it to refuse the request."""
+    return [Message(m.role, m.content) for m in messages[: MAX_MESSAGES + 1]]
 
 
-def engine_request(request: pb.GenerateRequest, tenant: str = "") -> GenerationRequest:
+def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: str = "") -> GenerationRequest:
     sampling = request.sampling
     return GenerationRequest(
         prompt=request.prompt or None,
-        prompt_token_ids=list(request.prompt_token_ids) or None,
+        prompt_token_ids=request.prompt_token_ids or None,
         messages=chat_messages(request.messages) or None,
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingConfig(
@@ -91,14 +102,14 @@ def engine_request(request: pb.GenerateRequest, tenant: str = "") -> GenerationR
             top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
             seed=sampling.seed if sampling.HasField("seed") else None,
         ),
-        stop=list(request.stop),
+        stop=list(request.stop[: max_stop_strings + 1]),
         ignore_eos=request.ignore_eos,
         request_id=request.request_id,
         encoder=EncoderRequest(
             prompt=request.encoder_prompt or None,
-            token_ids=list(request.encoder_prompt_token_ids) or None,
+            token_ids=request.encoder_prompt_token_ids or None,
             features=EncoderFeatures(
-                shape=tuple(request.encoder_features.shape), dtype=request.encoder_features.dtype,
+                shape=request.encoder_features.shape, dtype=request.encoder_features.dtype,
                 data=request.encoder_features.data,
             ) if request.HasField("encoder_features") else None,
         ),
@@ -107,6 +118,16 @@ def engine_request(request: pb.GenerateRequest, tenant: str = "") -> GenerationR
         ),
         tenant=tenant,
     )
+
+
+def tokenize_response(result: TokenizeResult) -> pb.TokenizeResponse:
+    """Built on a tokenizer thread, in pieces of ``IDS_PER_PIECE`` ids: each piece holds the GIL
+    about a millisecond, so the scheduler thread is never kept from it for long by a call
+    answering a million ids."""
+    message = pb.TokenizeResponse(text=result.text)
+    for start in range(0, len(result.token_ids), IDS_PER_PIECE):
+        message.token_ids.extend(result.token_ids[start : start + IDS_PER_PIECE])
+    return message
 
 
 def response_message(chunk: GenerationChunk) -> pb.GenerateResponse:
@@ -130,6 +151,13 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         self._engine = engine
         self._api_keys = api_keys
 
+    async def admit(self, context: grpc.aio.ServicerContext) -> None:
+        """Aborts the call UNAUTHENTICATED unless it carries a known API key (when keys are configured)."""
+        try:
+            self._tenant(context)
+        except Unauthenticated as exc:
+            await _abort(context, exc)
+
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         """The caller's tenant ("" without API keys); raises Unauthenticated."""
         if self._api_keys is None:
@@ -144,8 +172,8 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             # aclosing: when the call is cancelled while this handler waits to send, the engine's
             # stream is closed now (halting its token loop), not whenever it is collected.
-            tenant = self._tenant(context)
-            async with contextlib.aclosing(self._engine.generate(engine_request(request, tenant))) as stream:
+            generation = engine_request(request, self._engine.limits.stop_strings, self._tenant(context))
+            async with contextlib.aclosing(self._engine.generate(generation)) as stream:
                 async for chunk in stream:
                     yield response_message(chunk)
         except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never as UNKNOWN
@@ -153,28 +181,14 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         try:
-            self._tenant(context)
-            tokenizer, vocab = self._engine.tokenizer, self._engine.spec.vocab_size
-            if sum(map(bool, (request.text, request.token_ids, request.messages))) > 1:
-                raise InvalidRequest("text", "set one of text, token_ids and messages")
-            if request.messages:
-                text = self._engine.render_chat(chat_messages(request.messages))
-                return pb.TokenizeResponse(token_ids=tokenizer.encode(text), text=text)
-            if request.token_ids:
-                ids = list(request.token_ids)
-                for i, t in enumerate(ids):
-                    if not 0 <= t < vocab:
-                        raise InvalidRequest(f"token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {vocab})")
-                return pb.TokenizeResponse(token_ids=ids, text=tokenizer.decode(ids))
-            return pb.TokenizeResponse(token_ids=tokenizer.encode(request.text), text=request.text)
+            return await self._engine.tokenize(TokenizeRequest(
+                text=request.text or None, token_ids=request.token_ids or None,
+                messages=chat_messages(request.messages) or None,
+            ), tokenize_response)
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
-        try:
-            self._tenant(context)
-        except Unauthenticated as exc:
-            await _abort(context, exc)
         spec, session = self._engine.spec, self._engine.session
         return pb.GetModelInfoResponse(
             name=spec.name,

@@ -4,6 +4,7 @@ encoder takes (token ids ``[1, tokens]`` or float features of the model's shape)
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from services.errors import InvalidRequest, RequestOutOfRange
 from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_encoder import EncoderSession
-from services.runtime.tokenizer import TextTokenizer
+from services.runtime.tokenizer import TextTokenizer, TooManyTokens
 
 _FEATURE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 
@@ -20,7 +21,7 @@ _FEATURE_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
 class EncoderFeatures:
     """A dense tensor from the request: ``data`` is little-endian, C order."""
 
-    shape: tuple[int, ...]
+    shape: Sequence[int]
     dtype: str
     data: bytes
 
@@ -30,7 +31,7 @@ class EncoderRequest:
     """At most one of the three is set by a client; validation enforces exactly one."""
 
     prompt: str | None = None
-    token_ids: list[int] | None = None
+    token_ids: Sequence[int] | None = None
     features: EncoderFeatures | None = None
 
     @property
@@ -38,6 +39,10 @@ class EncoderRequest:
         names = {"encoder_prompt": self.prompt, "encoder_prompt_token_ids": self.token_ids,
                  "encoder_features": self.features}
         return [name for name, value in names.items() if value]
+
+
+def _beyond_context(field: str, tokens: int, limit: int) -> RequestOutOfRange:
+    return RequestOutOfRange(field, f"{tokens} tokens exceed the encoder's context length of {limit}")
 
 
 def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextTokenizer,
@@ -60,24 +65,28 @@ def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextToken
         dtype = _FEATURE_DTYPES.get(f.dtype)
         if dtype is None:
             raise InvalidRequest(f"{field}.dtype", f"{f.dtype!r} is not one of {sorted(_FEATURE_DTYPES)}")
+        shape = tuple(f.shape)
         # math.prod on Python ints: a huge shape cannot wrap around and pass the size check.
-        if any(d <= 0 for d in f.shape) or len(f.data) != math.prod(f.shape) * dtype.itemsize:
-            raise InvalidRequest(f"{field}.data", f"{len(f.data)} bytes do not hold a {f.dtype} tensor of shape {list(f.shape)}")
-        array = np.frombuffer(f.data, dtype=dtype).reshape(f.shape).astype(dtype.newbyteorder("="))
+        if any(d <= 0 for d in shape) or len(f.data) != math.prod(shape) * dtype.itemsize:
+            raise InvalidRequest(f"{field}.data", f"{len(f.data)} bytes do not hold a {f.dtype} tensor of shape {list(shape)}")
+        array = np.frombuffer(f.data, dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
         if not np.isfinite(array).all():
             raise InvalidRequest(f"{field}.data", "the features hold NaN or infinity")
     else:
         if not encoder.takes_token_ids:
             raise InvalidRequest(field, "this encoder takes float features: use encoder_features")
-        ids = request.token_ids if request.token_ids else tokenizer.encode(request.prompt or "")
+        limit = spec.encoder.context_length
+        try:
+            ids = list(request.token_ids) if request.token_ids else tokenizer.encode(request.prompt or "", limit)
+        except TooManyTokens as exc:
+            raise _beyond_context(field, exc.count, limit) from None
         for i, t in enumerate(ids):
             if not 0 <= t < spec.vocab_size:
                 raise InvalidRequest(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {spec.vocab_size})")
         if not ids:
             raise InvalidRequest(field, "the encoder prompt encodes to no tokens")
-        limit = spec.encoder.context_length
         if limit is not None and len(ids) > limit:
-            raise RequestOutOfRange(field, f"{len(ids)} tokens exceed the encoder's context length of {limit}")
+            raise _beyond_context(field, len(ids), limit)
         array = np.asarray([ids], dtype=encoder.input_dtype)
     encoder.check_input(array, field)
     return array

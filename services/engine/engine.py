@@ -4,8 +4,10 @@ and streams the tokens the scheduler produces as text.
 The engine knows models, tokens and a store interface; it knows nothing of gRPC. The scheduler
 (one thread) runs every model step for all sequences of the worker; store lookups run on the read
 threads and publishes on the write threads, so a slow publish never delays a lookup and neither
-ever runs on the token path. The event loop only turns tokens into text and hands chunks to the
-client.
+ever runs on the token path. Rendering chat templates, tokenizing and building stop automata run
+on the tokenizer threads, after size checks on the event loop (``RequestLimits``): the Rust
+tokenizer releases the GIL, so a megabyte-sized prompt neither blocks the loop nor the scheduler.
+The event loop only turns tokens into text and hands chunks to the client.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from jinja2 import TemplateError
@@ -43,11 +46,19 @@ from services.engine.generation import (
     GenerationChunk,
     GenerationRequest,
     PreparedRequest,
+    TokenizeRequest,
+    TokenizeResult,
     Usage,
+)
+from services.engine.request_limits import (
+    SHRINKING_TOKENIZER_FACTOR,
+    RequestLimits,
+    derived_prompt_bytes,
 )
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
 from services.engine.sequence import Sequence
+from services.engine.stop_matcher import StopMatcher
 from services.engine.text_stream import TextStream
 from services.errors import (
     FailedPrecondition,
@@ -66,9 +77,11 @@ from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
 from services.runtime.slots import open_slots
-from services.runtime.tokenizer import TextTokenizer
+from services.runtime.tokenizer import TextTokenizer, TooManyTokens
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 # One line per 10 s however many poisoned prompts arrive; each is counted as bad_output.
 _distrusted = RateLimitedLog(log)
 
@@ -103,16 +116,18 @@ class EngineOptions:
     """Cross-attention values larger than this are not stored (Redis caps a value at 512 MiB)."""
     namespace_secret: bytes = field(default=b"", repr=False)
     """Keys every block and cross-attention key (``Namespace.secret``); the same on every worker."""
+    max_prompt_bytes: int = 0
+    """UTF-8 bytes of a prompt's text (prompt, messages, encoder prompt, Tokenize text); 0 derives
+    the most that can fit the context (``request_limits.derived_prompt_bytes``)."""
+    max_stop_strings: int = 64
+    """Stop strings per request."""
+    max_stop_string_bytes: int = 256
+    """UTF-8 bytes of one stop string."""
+    tokenizer_threads: int = 2
+    """Threads that render chat templates, tokenize and build stop automata, off the event loop."""
 
 
 MAX_DERIVED_BATCH = 64
-
-
-MAX_MESSAGES = 4096
-"""Messages in one conversation: each renders to at least a few template tokens, so a request of
-a million empty messages would otherwise cost seconds of rendering before any length check."""
-MAX_REQUEST_ID_CHARS = 256
-"""A request id is logged with every line about its request: it is an id, not a payload."""
 
 
 def derived_max_batch(kv_bytes_per_token: int, context_length: int, kv_cache_bytes: int) -> int:
@@ -145,6 +160,8 @@ class Engine:
         )
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
         self._write_pool = ThreadPoolExecutor(max_workers=options.store_write_threads, thread_name_prefix="kv-write")
+        self._text_pool = ThreadPoolExecutor(max_workers=options.tokenizer_threads, thread_name_prefix="tokenize")
+        self.limits = self._limits(options)
         self._publish_lock = threading.Lock()
         self._pending_publishes: set[Future] = set()
         scheduling = options.scheduler
@@ -159,6 +176,25 @@ class Engine:
                  "one batched decode run per step" if self.slots.batched
                  else "each row runs batch 1: no shared GQA past/present buffer in host memory for this graph",
                  scheduling.max_queued, scheduling.max_prefill_tokens_per_step)
+
+    def _limits(self, options: EngineOptions) -> RequestLimits:
+        if options.max_prompt_bytes:
+            prompt_bytes, origin = options.max_prompt_bytes, "set by the operator"
+        else:
+            token_bytes = self.tokenizer.token_bytes()
+            context = max(self.spec.context_length, (self.spec.encoder and self.spec.encoder.context_length) or 0)
+            prompt_bytes = derived_prompt_bytes(context, token_bytes)
+            origin = (f"the most text that can fit the model's context of {context} tokens, at most "
+                      f"{token_bytes.longest} bytes per token")
+            if token_bytes.shrinker is not None:
+                origin = (f"{SHRINKING_TOKENIZER_FACTOR}x the context of {context} tokens at {token_bytes.longest} "
+                          f"bytes per token, since the tokenizer's {token_bytes.shrinker} can drop text")
+                log.warning("the tokenizer's %s can drop or shorten text, so no prompt size is too large to fit the "
+                            "context; prompts are limited to %d bytes (--max-prompt-bytes sets another limit)",
+                            token_bytes.shrinker, prompt_bytes)
+        log.info("requests: prompts up to %d bytes (%s), %d stop strings of up to %d bytes", prompt_bytes, origin,
+                 options.max_stop_strings, options.max_stop_string_bytes)
+        return RequestLimits(prompt_bytes, origin, options.max_stop_strings, options.max_stop_string_bytes)
 
     @classmethod
     def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
@@ -178,6 +214,7 @@ class Engine:
         self.scheduler.close()
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
+        self._text_pool.shutdown(wait=True)
         self.store.close()
 
     async def wait_for_publishes(self) -> None:
@@ -208,21 +245,30 @@ class Engine:
         return encoder_input_hash(replace(self.namespace(salt, tenant=tenant), block_size=0), array)
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
-        """Validates ``request``; raises InvalidRequest (or RequestOutOfRange) naming the field."""
-        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-            raise InvalidRequest("request_id", f"{len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        """Validates and tokenizes ``request``; raises InvalidRequest (or RequestOutOfRange) naming
+        the field. ``generate`` runs the same two parts apart: the size checks on the event loop,
+        ``tokenized`` on a tokenizer thread."""
+        self.limits.check_generation(request)
+        return self.tokenized(request)
+
+    def tokenized(self, request: GenerationRequest) -> PreparedRequest:
+        """Everything of ``prepare`` after the size checks: the cheap checks first, then the work
+        (rendering, tokenizing, the encoder input, the stop automaton)."""
+        self._check_generation_fields(request)
         encoder_input = encoder_array(request.encoder, self.spec, self.tokenizer, self.encoder)
         if encoder_input is not None and not request.prompt and not request.prompt_token_ids:
             # An encoder-decoder model's decoder starts from its start token when given no prompt.
             if self.spec.decoder_start_token_id is None:
                 raise InvalidRequest("prompt", f"model {self.spec.name} names no decoder start token: give a decoder prompt")
-            return PreparedRequest(self._checked([self.spec.decoder_start_token_id], request), encoder_input)
-        return PreparedRequest(self._checked(self._prompt_ids(request), request), encoder_input)
+            ids = [self.spec.decoder_start_token_id]
+        else:
+            ids = self._prompt_ids(request)
+        if len(ids) + request.max_new_tokens > self.spec.context_length:
+            raise self._beyond_context(len(ids), request.max_new_tokens)
+        return PreparedRequest(ids, encoder_input, StopMatcher(request.stop) if request.stop else None)
 
     def render_chat(self, messages: list[Message]) -> str:
         """The prompt text of ``messages`` by the folder's chat template, generation prompt added."""
-        if len(messages) > MAX_MESSAGES:
-            raise InvalidRequest("messages", f"{len(messages)} messages; at most {MAX_MESSAGES}")
         if self.chat_template is None:
             raise FailedPrecondition(f"model {self.spec.name} has no chat template (tokenizer_config.json "
                                      "chat_template): send prompt or prompt_token_ids")
@@ -236,40 +282,67 @@ class Engine:
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if sum(map(bool, (request.prompt, request.prompt_token_ids, request.messages))) > 1:
             raise InvalidRequest("prompt", "set one of prompt, prompt_token_ids and messages")
-        if request.messages:
-            ids = self.tokenizer.encode(self.render_chat(request.messages))
-        elif request.prompt_token_ids:
-            ids = list(request.prompt_token_ids)
-            for i, t in enumerate(ids):
-                if not 0 <= t < self.spec.vocab_size:
-                    raise InvalidRequest(f"prompt_token_ids[{i}]", f"token id {t} is outside the vocabulary [0, {self.spec.vocab_size})")
-        elif request.prompt:
-            ids = self.tokenizer.encode(request.prompt)
-        else:
-            raise InvalidRequest("prompt", "no prompt: set prompt (text), prompt_token_ids or messages")
+        # More tokens than this cannot run; they are counted, never turned into Python ints.
+        room = self.spec.context_length - request.max_new_tokens
+        try:
+            if request.messages:
+                ids = self.tokenizer.encode(self.render_chat(request.messages), room)
+            elif request.prompt_token_ids:
+                ids = self._checked_ids("prompt_token_ids", request.prompt_token_ids)
+            elif request.prompt:
+                ids = self.tokenizer.encode(request.prompt, room)
+            else:
+                raise InvalidRequest("prompt", "no prompt: set prompt (text), prompt_token_ids or messages")
+        except TooManyTokens as exc:
+            raise self._beyond_context(exc.count, request.max_new_tokens) from None
         if not ids:
             raise InvalidRequest("prompt", "the prompt encodes to no tokens")
         return ids
 
-    def _checked(self, ids: list[int], request: GenerationRequest) -> list[int]:
+    def _checked_ids(self, field: str, ids: Iterable[int]) -> list[int]:
+        ids = list(ids)
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.spec.vocab_size:
+                raise InvalidRequest(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return ids
+
+    def _beyond_context(self, prompt_tokens: int, max_new_tokens: int) -> RequestOutOfRange:
+        return RequestOutOfRange(
+            "max_new_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"context length of {self.spec.context_length} tokens",
+        )
+
+    def _check_generation_fields(self, request: GenerationRequest) -> None:
         cap = self.options.max_new_tokens_cap
         if not 1 <= request.max_new_tokens <= cap:
             raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap}, got {request.max_new_tokens}")
-        if len(ids) + request.max_new_tokens > self.spec.context_length:
-            raise RequestOutOfRange(
-                "max_new_tokens",
-                f"prompt ({len(ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
-                f"context length of {self.spec.context_length} tokens",
-            )
         s = request.sampling
         if not (math.isfinite(s.temperature) and s.temperature >= 0.0):
             raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
         if not 0.0 < s.top_p <= 1.0:
             raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
-        for i, stop in enumerate(request.stop):
-            if not stop:
-                raise InvalidRequest(f"stop[{i}]", "stop strings must not be empty")
-        return ids
+
+    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R]) -> R:
+        """The Tokenize call: text or messages to ids, or ids to text; returns ``shape(result)``.
+        Sizes are checked on the event loop; the rest, ``shape`` included, runs on a tokenizer
+        thread: turning a million ids into the caller's message must not hold the loop."""
+        self.limits.check_prompt("text", request.text, request.messages)
+        return await self._off_loop(lambda r: shape(self._tokenize(r)), request)
+
+    def _tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        if sum(map(bool, (request.text, request.token_ids, request.messages))) > 1:
+            raise InvalidRequest("text", "set one of text, token_ids and messages")
+        if request.messages:
+            text = self.render_chat(request.messages)
+            return TokenizeResult(self.tokenizer.encode(text), text)
+        if request.token_ids:
+            ids = self._checked_ids("token_ids", request.token_ids)
+            return TokenizeResult(ids, self.tokenizer.decode(ids))
+        return TokenizeResult(self.tokenizer.encode(request.text or ""), request.text or "")
+
+    async def _off_loop(self, work: Callable[[T], R], arg: T) -> R:
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, work, arg)
 
     @staticmethod
     def cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
@@ -394,11 +467,15 @@ class Engine:
         gone) frees the sequence's slot at the scheduler's next step.
         """
         t0 = time.perf_counter()
-        seq = self._sequence(request, self.prepare(request), t0)
+        # Sizes first, on the loop: an oversized request is refused at once, not after waiting
+        # behind other requests' tokenizing.
+        self.limits.check_generation(request)
+        prepared = await self._off_loop(self.tokenized, request)
+        seq = self._sequence(request, prepared, t0)
         self.scheduler.submit(seq)
         self.stats.started += 1
         self.stats.active += 1
-        text = TextStream(self.tokenizer, request.stop)
+        text = TextStream(self.tokenizer, prepared.stops or ())
         finish: FinishReason | None = None
         try:
             while finish is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from services.engine.encoder_input import EncoderRequest
 from services.engine.sampling import SamplingConfig
+from services.engine.stop_matcher import StopMatcher
 from services.runtime.chat_template import Message
 
 
@@ -32,7 +34,7 @@ class GenerationRequest:
     """One request as the engine sees it. Exactly one of ``prompt`` / ``prompt_token_ids`` / ``messages``."""
 
     prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
+    prompt_token_ids: Sequence[int] | None = None
     messages: list[Message] | None = None
     """A conversation for the folder's chat template (with the generation prompt)."""
     max_new_tokens: int = 16
@@ -51,10 +53,27 @@ class GenerationRequest:
 
 @dataclass(slots=True)
 class PreparedRequest:
-    """A validated request: decoder prompt ids and, for encoder-decoder models, the encoder input."""
+    """A validated request: decoder prompt ids, for encoder-decoder models the encoder input, and
+    the automaton of its stop strings (None: no stop strings)."""
 
     ids: list[int]
     encoder_input: np.ndarray | None
+    stops: StopMatcher | None = None
+
+
+@dataclass(slots=True)
+class TokenizeRequest:
+    """One of ``text`` / ``token_ids`` / ``messages``."""
+
+    text: str | None = None
+    token_ids: Sequence[int] | None = None
+    messages: list[Message] | None = None
+
+
+@dataclass(slots=True)
+class TokenizeResult:
+    token_ids: list[int]
+    text: str
 
 
 @dataclass(slots=True)

@@ -6,21 +6,30 @@ Invariants:
   unfinished character) is held until the character completes or the stream ends.
 - Text that could be the start of a stop string is held back until it is known not to be one, so
   a stop string is never sent, even in part.
+
+Stop strings are found by one Aho–Corasick automaton (services/engine/stop_matcher.py) whose state
+follows the text across pushes: the cost per token grows with the token's text, never with the
+number of stop strings. When a piece of text completes several stop strings, the output is cut
+before the one that starts first.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from services.engine.stop_matcher import ROOT, StopMatcher
 from services.runtime.tokenizer import TextTokenizer
 
 _REPLACEMENT = "\ufffd"
 
 
 class TextStream:
-    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] = ()) -> None:
+    def __init__(self, tokenizer: TextTokenizer, stop: Sequence[str] | StopMatcher = ()) -> None:
+        """``stop``: the stop strings, or their automaton built beforehand (off the event loop:
+        building takes milliseconds for many long stop strings)."""
         self._tokenizer = tokenizer
-        self._stop = tuple(stop)
+        self._stops = stop if isinstance(stop, StopMatcher) else StopMatcher(stop) if stop else None
+        self._state = ROOT
         self._ids: list[int] = []
         # Decoding only the window ids[_prefix:] keeps each step O(window), not O(output).
         self._prefix = 0
@@ -37,7 +46,7 @@ class TextStream:
             # Held back; but a stop string completed before the unfinished character ends the
             # stream now rather than after it.
             settled = new_text[len(prefix_text) :].rstrip(_REPLACEMENT)
-            if self._stop and any(s in self._unsent + settled for s in self._stop):
+            if self._stops and self._stops.scan(self._state, settled).first_stop is not None:
                 return self._release(settled, final=False)
             return ""
         self._prefix, self._read = self._read, len(self._ids)
@@ -54,22 +63,17 @@ class TextStream:
 
     def _release(self, delta: str, final: bool) -> str:
         self._unsent += delta
-        hits = [i for i in (self._unsent.find(s) for s in self._stop) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self._unsent = self._unsent[: min(hits)], ""
+        if self._stops is None:
+            out, self._unsent = self._unsent, ""
             return out
-        hold = 0 if final else self._stop_prefix_length(self._unsent)
+        scan = self._stops.scan(self._state, delta)
+        self._state = scan.state
+        if scan.first_stop is not None:
+            # The stop string began at most the held characters back: inside _unsent.
+            self.stopped = True
+            out, self._unsent = self._unsent[: len(self._unsent) - len(delta) + scan.first_stop], ""
+            return out
+        hold = 0 if final else self._stops.held(self._state)
         out = self._unsent[: len(self._unsent) - hold]
         self._unsent = self._unsent[len(out) :]
         return out
-
-    def _stop_prefix_length(self, text: str) -> int:
-        """Length of the longest suffix of ``text`` that begins some stop string."""
-        best = 0
-        for stop in self._stop:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if text.endswith(stop[:n]):
-                    best = n
-                    break
-        return best

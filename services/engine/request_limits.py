@@ -1,0 +1,82 @@
+"""Size limits on a request, checked on the event loop before any tokenizing or rendering.
+
+Each check is O(1) or O(request size) with a small constant (counting UTF-8 bytes), so a request
+that would cost seconds of tokenizing or an oversized stop automaton is refused at once with
+INVALID_ARGUMENT, naming the field, the limit and the flag that raises it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.engine.generation import GenerationRequest
+from services.errors import InvalidRequest
+from services.runtime.chat_template import Message
+from services.runtime.tokenizer import TokenBytes
+
+MAX_MESSAGES = 4096
+"""Messages in one conversation: each renders to at least a few template tokens, so a request of
+a million empty messages would otherwise cost seconds of rendering before any length check."""
+MAX_REQUEST_ID_CHARS = 256
+"""A request id is logged with every line about its request: it is an id, not a payload."""
+SHRINKING_TOKENIZER_FACTOR = 4
+"""For a tokenizer that can drop or shorten text no prompt size bounds the tokens; the derived
+limit then allows this many times the exact bound of a tokenizer that keeps every byte."""
+
+
+def utf8_length(text: str) -> int:
+    """Bytes of ``text`` in UTF-8 (what the client sent); O(1) for ASCII text."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+def derived_prompt_bytes(context_length: int, token_bytes: TokenBytes) -> int:
+    """The most prompt bytes that can fit ``context_length`` tokens: when every byte of the text
+    lies inside some token and no token stands for more than ``token_bytes.longest`` bytes, a
+    longer text cannot encode to ``context_length`` tokens or fewer, so refusing it refuses
+    nothing that could run. For a tokenizer that drops or shortens text no such bound exists;
+    there it is ``SHRINKING_TOKENIZER_FACTOR`` times larger (a bound on work, not on fit)."""
+    factor = 1 if token_bytes.shrinker is None else SHRINKING_TOKENIZER_FACTOR
+    return context_length * token_bytes.longest * factor
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    prompt_bytes: int
+    """UTF-8 bytes of a prompt's text: ``prompt``, all messages' roles and contents together,
+    ``encoder_prompt``, and Tokenize's ``text`` or messages."""
+    prompt_bytes_origin: str
+    """Where ``prompt_bytes`` comes from, said in refusals ("derived from ...", or the flag)."""
+    stop_strings: int
+    """Stop strings per request."""
+    stop_string_bytes: int
+    """UTF-8 bytes of one stop string."""
+
+    def check_generation(self, request: GenerationRequest) -> None:
+        """Every size of a Generate request, in the order a client would fix them."""
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequest("request_id", f"{len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        self.check_prompt("prompt", request.prompt, request.messages)
+        self.check_prompt("encoder_prompt", request.encoder.prompt, None)
+        if len(request.stop) > self.stop_strings:
+            raise InvalidRequest("stop", f"at most {self.stop_strings} stop strings, got more (the worker's "
+                                 "--max-stop-strings, env KVSHARE_MAX_STOP_STRINGS)")
+        for i, s in enumerate(request.stop):
+            if not s:
+                raise InvalidRequest(f"stop[{i}]", "stop strings must not be empty")
+            if (size := utf8_length(s)) > self.stop_string_bytes:
+                raise InvalidRequest(f"stop[{i}]", f"{size} bytes; at most {self.stop_string_bytes} (the worker's "
+                                     "--max-stop-string-bytes, env KVSHARE_MAX_STOP_STRING_BYTES)")
+
+    def check_prompt(self, field: str, text: str | None, messages: Sequence[Message] | None) -> None:
+        """A prompt given as ``text`` (refusals name ``field``) or as ``messages``."""
+        if messages:
+            if len(messages) > MAX_MESSAGES:
+                raise InvalidRequest("messages", f"at most {MAX_MESSAGES} messages, got more")
+            field, what = "messages", "bytes of roles and contents"
+            size = sum(utf8_length(m.role) + utf8_length(m.content) for m in messages)
+        else:
+            what, size = "bytes of text", utf8_length(text or "")
+        if size > self.prompt_bytes:
+            raise InvalidRequest(field, f"{size} {what}; at most {self.prompt_bytes} ({self.prompt_bytes_origin}; "
+                                 "the worker's --max-prompt-bytes, env KVSHARE_MAX_PROMPT_BYTES, sets it)")
