@@ -159,4 +159,8 @@ def load_secret(path: Path, what: str) -> bytes:
     if len(secret) < MIN_SECRET_CHARS:
         raise KeyringError(f"{path}: the {what} has {len(secret)} characters, at least {MIN_SECRET_CHARS} are "
                            "needed (e.g. openssl rand -hex 32)")
+    if len(secret.split()) != 1:
+        # A file of several words is most likely another file (a key file's 'KEY_ID SECRET' lines).
+        raise KeyringError(f"{path}: the {what} must be one word without spaces or line breaks (e.g. the output of "
+                           "openssl rand -hex 32); is this the signing key file?")
     return secret.encode()

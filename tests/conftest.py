@@ -60,8 +60,10 @@ def tiny_model(model_dirs) -> Path:
 
 @pytest.fixture(scope="session")
 def worker(tiny_model):
-    """A real `kvshare serve` subprocess on a free loopback port, shared by the module's tests."""
-    with WorkerProcess(tiny_model, "--max-new-tokens-cap", "512", "--max-message-bytes", "65536") as w:
+    """A real `kvshare serve` subprocess on a free loopback port, shared by the module's tests. At
+    most 8 unread tokens per stream: however fast the machine, a stream arrives in several messages."""
+    with WorkerProcess(tiny_model, "--max-new-tokens-cap", "512", "--max-message-bytes", "65536",
+                       "--max-unread-tokens", "8") as w:
         yield w
 
 

@@ -57,7 +57,7 @@ def keyed_stub(keyed_worker):
 
 @pytest.mark.parametrize("metadata", [(), (("authorization", "Bearer not-a-key"),), (("authorization", KEYS["acme"]),)],
                          ids=["no key", "unknown key", "no Bearer"])
-def test_calls_without_a_valid_key_are_unauthenticated_and_health_stays_open(keyed_stub, metadata):
+def test_calls_without_a_valid_key_are_unauthenticated_and_health_stays_open(keyed_stub, keyed_worker, metadata):
     stub, channel = keyed_stub
     calls = [lambda: generate(stub, metadata=metadata),
              lambda: stub.Tokenize(pb.TokenizeRequest(text="hello"), metadata=metadata, timeout=10),
@@ -69,6 +69,7 @@ def test_calls_without_a_valid_key_are_unauthenticated_and_health_stays_open(key
         assert "authorization: Bearer KEY" in err.value.details()
     health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert any("refused a call without a valid API key from" in line for line in keyed_worker.log_lines)
     assert stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=bearer("acme"), timeout=10).block_size == 64
 
 
@@ -199,6 +200,30 @@ def test_secrets_never_come_from_the_command_line_and_bad_key_files_refuse_to_st
     plain.write_text(f"acme {KEYS['acme']}\n")
     assert "never the key itself" in serve_fails(tiny_model, "--api-keys-file", str(plain))
     assert "cannot read" in serve_fails(tiny_model, "--api-keys-file", str(tmp_path / "missing"))
+    sha256sum_output = tmp_path / "sha256sum-keys"
+    sha256sum_output.write_text(f"acme {hashlib.sha256(b'k').hexdigest()}  -\n")
+    assert "cut -d' ' -f1" in serve_fails(tiny_model, "--api-keys-file", str(sha256sum_output))
+    key_file_as_secret = tmp_path / "signing-keys"
+    key_file_as_secret.write_text("k1 " + "s" * 64 + "\n")
+    assert "one word" in serve_fails(tiny_model, "--cache-namespace-secret-file", str(key_file_as_secret))
+
+
+def test_a_certificate_and_key_that_do_not_match_refuse_to_start_saying_so(tiny_model, ca, tmp_path):
+    first, second = ca.issue("first", server=True), ca.issue("second", server=True)
+    line = serve_fails(tiny_model, "--tls-cert-file", str(first.cert), "--tls-key-file", str(second.key))
+    assert "not a usable PEM certificate chain and its private key" in line and "in use" not in line
+    line = serve_fails(tiny_model, "--tls-cert-file", str(first.cert), "--tls-key-file", str(first.key),
+                       "--tls-client-ca-file", str(first.key))
+    assert "--tls-client-ca-file" in line and "no usable PEM certificate" in line
+
+
+def test_client_flags_naming_unusable_files_get_one_line(tmp_path):
+    for args, expected in ((["--api-key-file", str(tmp_path / "missing")], "cannot read --api-key-file"),
+                           (["--tls-ca-file", str(tmp_path / "missing")], "--tls-ca-file"),
+                           (["--tls-cert-file", __file__], "needs both --tls-cert-file and --tls-key-file")):
+        proc = subprocess.run([sys.executable, "-m", "services.api.cli", "generate", "hi", "--target", "127.0.0.1:1", *args],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr
 
 
 def test_an_unauthenticated_caller_learns_nothing_from_how_its_bytes_parse(keyed_worker):

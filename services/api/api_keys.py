@@ -39,6 +39,9 @@ class ApiKeys:
                 continue
             where = f"{path}, line {number}"
             parts = line.split()
+            if len(parts) == 3 and parts[2] == "-":
+                raise ApiKeysError(f"{where}: a third field '-': that is what sha256sum prints after the digest; "
+                                   f"keep only the digest (printf %s \"$KEY\" | sha256sum | cut -d' ' -f1)")
             if len(parts) != 2:
                 raise ApiKeysError(f"{where}: expected 'TENANT_ID SHA256_HEX_OF_KEY' (two fields), got {len(parts)}")
             tenant, digest = parts[0], parts[1].lower()
@@ -46,7 +49,7 @@ class ApiKeys:
                 raise ApiKeysError(f"{where}: tenant id must be 1 to 64 of A-Z a-z 0-9 . _ -")
             if not _SHA256_HEX.fullmatch(digest):
                 raise ApiKeysError(f"{where}: the second field must be the SHA-256 of the key in hex (64 digits), "
-                                   "e.g. printf %s \"$KEY\" | sha256sum; never the key itself")
+                                   "e.g. printf %s \"$KEY\" | sha256sum | cut -d' ' -f1; never the key itself")
             if bytes.fromhex(digest) in tenants:
                 raise ApiKeysError(f"{where}: this key digest is listed twice")
             tenants[bytes.fromhex(digest)] = tenant

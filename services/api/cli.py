@@ -45,9 +45,21 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.api.client import Connection, generate_main, generate_request
+    from services.api.client import generate_main, generate_request
 
-    return generate_main(Connection.from_args(args), generate_request(args), args.timeout_s)
+    connection = _connection(args, "generate")
+    return 2 if connection is None else generate_main(connection, generate_request(args), args.timeout_s)
+
+
+def _connection(args: argparse.Namespace, command: str):
+    """The client's Connection from its flags, or None after one line on stderr saying what is wrong."""
+    from services.api.client import Connection, ConnectionSettingsError
+
+    try:
+        return Connection.from_args(args)
+    except ConnectionSettingsError as exc:
+        print(f"kvshare {command}: {exc}", file=sys.stderr)
+        return None
 
 
 def _build_model(args: argparse.Namespace) -> int:
@@ -78,12 +90,13 @@ def _build_model(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from kvshare.v1 import generator_pb2 as pb
-    from services.api.client import Connection, chat_main
+    from services.api.client import chat_main
 
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
     if args.top_p is not None:
         sampling.top_p = args.top_p
-    return chat_main(Connection.from_args(args), args.system, sampling, args.max_new_tokens, args.timeout_s)
+    connection = _connection(args, "chat")
+    return 2 if connection is None else chat_main(connection, args.system, sampling, args.max_new_tokens, args.timeout_s)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:

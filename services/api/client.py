@@ -17,6 +17,10 @@ from kvshare.v1 import generator_pb2_grpc as pb_grpc
 API_KEY_ENV = "KVSHARE_API_KEY"
 
 
+class ConnectionSettingsError(ValueError):
+    """A client flag names a file that cannot be used; the message says which."""
+
+
 @dataclass(frozen=True, slots=True)
 class Connection:
     """How to reach a worker: its address, TLS files (none: plaintext) and API key (none: no header)."""
@@ -29,8 +33,22 @@ class Connection:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> Connection:
-        """From ``add_connection_flags``' flags; the key from --api-key-file, else KVSHARE_API_KEY."""
-        key = args.api_key_file.read_text().strip() if args.api_key_file else os.environ.get(API_KEY_ENV, "")
+        """From ``add_connection_flags``' flags; the key from --api-key-file, else KVSHARE_API_KEY.
+        Raises ConnectionSettingsError for a key file that cannot be read or holds no key."""
+        key = os.environ.get(API_KEY_ENV, "")
+        if args.api_key_file is not None:
+            try:
+                key = args.api_key_file.read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConnectionSettingsError(f"cannot read --api-key-file {args.api_key_file}: {exc}") from exc
+            if not key:
+                raise ConnectionSettingsError(f"--api-key-file {args.api_key_file} is empty")
+        for flag, path in (("--tls-ca-file", args.tls_ca_file), ("--tls-cert-file", args.tls_cert_file),
+                           ("--tls-key-file", args.tls_key_file)):
+            if path is not None and not path.is_file():
+                raise ConnectionSettingsError(f"{flag} {path}: no such file")
+        if (args.tls_cert_file is None) != (args.tls_key_file is None):
+            raise ConnectionSettingsError("a client certificate needs both --tls-cert-file and --tls-key-file")
         return cls(args.target, args.tls_ca_file, args.tls_cert_file, args.tls_key_file, key)
 
     def channel(self) -> grpc.Channel:

@@ -37,7 +37,7 @@ class Settings:
     cache_tls_key_file: Path | None = field(default=None, metadata={"help": "Private key of --cache-tls-cert-file."})
     cache_username: str = field(default="", metadata={"help": "Redis ACL user (AUTH username); empty: default, or the URL's."})
     cache_password_file: Path | None = field(default=None, metadata={"help": "File holding the Redis AUTH password (or set KVSHARE_CACHE_PASSWORD); never give a password on the command line."})
-    cache_signing_key_file: Path | None = field(default=None, metadata={"help": "Keys that sign cache values, one 'KEY_ID SECRET' line each: the first signs, all verify; values that do not verify are never used."})
+    cache_signing_key_file: Path | None = field(default=None, metadata={"help": "Keys that sign cache values, one 'KEY_ID SECRET' line each (secrets of 32+ characters): the first signs, all verify; values that do not verify are never used."})
     cache_namespace_secret_file: Path | None = field(default=None, metadata={"help": "A secret (32+ characters) under which block keys are derived, so that nobody without it can compute or probe a key; the same on every worker."})
     api_keys_file: Path | None = field(default=None, metadata={"help": "Clients must send 'authorization: Bearer KEY'; one 'TENANT_ID SHA256_HEX_OF_KEY' line per key. Tenants never share cached blocks."})
     tls_cert_file: Path | None = field(default=None, metadata={"help": "Serve gRPC over TLS with this certificate chain (PEM); needs --tls-key-file."})

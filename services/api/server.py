@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 from pathlib import Path
 
 import grpc
@@ -94,7 +95,19 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
         return None
     if settings.tls_cert_file is None or settings.tls_key_file is None:
         raise StartupError("gRPC TLS needs both --tls-cert-file and --tls-key-file")
+    try:
+        # gRPC's own check of the pair surfaces later as "cannot listen"; Python's ssl says what is wrong.
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
+    except (OSError, ssl.SSLError) as exc:
+        raise StartupError(f"--tls-cert-file {settings.tls_cert_file} and --tls-key-file {settings.tls_key_file} "
+                           f"are not a usable PEM certificate chain and its private key ({exc})") from exc
     ca = _read_file(settings.tls_client_ca_file, "client CA file") if settings.tls_client_ca_file else None
+    if ca is not None:
+        try:
+            ssl.create_default_context(cadata=ca.decode("ascii", "replace"))
+        except (ValueError, ssl.SSLError) as exc:
+            raise StartupError(f"--tls-client-ca-file {settings.tls_client_ca_file} holds no usable PEM "
+                               f"certificate ({exc})") from exc
     return grpc.ssl_server_credentials(
         [(_read_file(settings.tls_key_file, "TLS key file"), _read_file(settings.tls_cert_file, "TLS certificate file"))],
         root_certificates=ca, require_client_auth=ca is not None,

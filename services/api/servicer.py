@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import grpc
 
+from cachestore.ratelimit import RateLimitedLog
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.api_keys import ApiKeys
@@ -48,6 +49,8 @@ from services.errors import (
 from services.runtime.chat_template import Message
 
 log = logging.getLogger(__name__)
+# One line per 10 s with a count of the rest: a scan of keys must not flood the log.
+_refused = RateLimitedLog(log)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generator"].full_name
 
@@ -156,6 +159,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         try:
             self._tenant(context)
         except Unauthenticated as exc:
+            _refused.warning("refused a call without a valid API key from %s", context.peer())
             await _abort(context, exc)
 
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
