@@ -7,6 +7,7 @@ cluster). Socket and connect timeouts bound every operation (milliseconds in the
 
 from __future__ import annotations
 
+import logging
 import ssl
 import threading
 from collections.abc import Callable, Sequence
@@ -14,7 +15,11 @@ from collections.abc import Callable, Sequence
 import redis
 from redis.cluster import RedisCluster
 
+from cachestore.ratelimit import RateLimitedLog
 from cachestore.store import KVStore, StoreReplyError
+
+log = logging.getLogger(__name__)
+_foreign = RateLimitedLog(log)
 
 
 def _values(reply: object, count: int) -> list[bytes | None]:
@@ -88,10 +93,28 @@ class RedisStore(KVStore):
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         if not items:
             return 0
+        written = self._set_if_absent(items)
+        refused = [item for item, ok in zip(items, written, strict=True) if not ok]
+        if refused:
+            # A key that MGET read as nil and SET NX cannot fill holds a list, a hash...: written by
+            # someone else, it would make that block a miss forever. Off the token path, so the
+            # extra round trip (only when a write was refused) costs no request anything.
+            pipe = self._client.pipeline(transaction=False)
+            for key, _ in refused:
+                pipe.type(key)
+            foreign = [item for item, kind in zip(refused, pipe.execute(), strict=True) if kind not in (b"string", b"none")]
+            if foreign:
+                _foreign.warning("cache store %s: %d keys held a non-string value (e.g. %s); replaced", self.name,
+                                 len(foreign), foreign[0][0])
+                self.delete([key for key, _ in foreign])
+                written += self._set_if_absent(foreign)
+        return sum(bool(ok) for ok in written)
+
+    def _set_if_absent(self, items: Sequence[tuple[str, bytes]]) -> list[bool]:
         pipe = self._client.pipeline(transaction=False)
         for key, value in items:
             pipe.set(key, value, nx=True, ex=self.ttl_s)
-        return sum(bool(r) for r in pipe.execute())
+        return [bool(ok) for ok in pipe.execute()]
 
     def delete(self, keys: Sequence[str]) -> None:
         if keys:

@@ -190,8 +190,9 @@ def test_a_wrong_redis_password_or_ca_stops_the_worker_with_one_clear_line(tiny_
 
 
 def test_secrets_never_come_from_the_command_line_and_bad_key_files_refuse_to_start(tiny_model, tmp_path):
-    line = serve_fails(tiny_model, "--cache", "redis://:hunter2@127.0.0.1:1")
-    assert "process list" in line and "hunter2" not in line
+    for url in ("redis://:hunter2@127.0.0.1:1", "tiered+redis://127.0.0.1:1/0?password=hunter2"):
+        line = serve_fails(tiny_model, "--cache", url)
+        assert "process list" in line and "hunter2" not in line
     short = tmp_path / "short"
     short.write_text("k1 tooshort\n")
     assert "at least 32" in serve_fails(tiny_model, "--cache-signing-key-file", str(short))

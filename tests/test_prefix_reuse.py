@@ -196,3 +196,17 @@ def test_publishing_does_not_delay_the_first_token(tiny_model):
     assert ttft < delay_s / 4, f"first token after {ttft * 1e3:.0f} ms with {delay_s * 1e3:.0f} ms writes"
     assert store.writes_finished == 1
     engine.close()
+
+
+def test_keys_turned_into_lists_are_replaced_by_the_next_publish(replicas, redis_server):
+    # MGET reads a list as nil and SET NX cannot overwrite it: without the check, the prompt would
+    # miss until someone deleted the keys (they have no TTL).
+    a, b = replicas
+    ids = prompt(3 * B + 2, seed=21)
+    keys = [block_key(h) for h in a.prefix.hashes(a.namespace(""), ids)]
+    with redis_server.client() as client:
+        for key in keys:
+            client.rpush(key, "planted")
+        assert generate(a, ids)[1].usage.cached_prompt_tokens == 0
+        assert all(client.type(key) == b"string" for key in keys)
+    assert generate(b, ids)[1].usage.cached_prompt_tokens == 3 * B

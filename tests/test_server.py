@@ -124,6 +124,8 @@ BAD_REQUESTS = {
                           grpc.StatusCode.INVALID_ARGUMENT, "stop[0]"),
     "request id too long": (pb.GenerateRequest(request_id="r" * 257, prompt="x", max_new_tokens=4),
                             grpc.StatusCode.INVALID_ARGUMENT, "request_id"),
+    "cache salt too long": (pb.GenerateRequest(prompt="x", max_new_tokens=4, cache=pb.CacheOptions(salt="s" * 257)),
+                            grpc.StatusCode.INVALID_ARGUMENT, "cache.salt"),
     # The worker fixture caps messages at 64 KiB.
     "message over the limit": (pb.GenerateRequest(prompt="x" * 70_000, max_new_tokens=4),
                                grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
@@ -387,3 +389,31 @@ def test_text_log_lines_cannot_be_forged_through_a_request_id():
         line = TextFormatter().format(record)
         assert len(line.splitlines()) == 1 and "FORGED" in line, repr(brk)
         assert 'request_id="id\\' in line and line.endswith("outcome=length")
+
+
+def test_grpcs_records_of_undecodable_metadata_never_show_the_value_and_cannot_flood():
+    import logging
+
+    from services.api.logs import UndecodableMetadataFilter
+
+    now = [0.0]
+    redact = UndecodableMetadataFilter(interval_s=10.0, clock=lambda: now[0])
+
+    def record() -> logging.LogRecord:
+        try:
+            b"Bearer secret-key\xff".decode()
+        except UnicodeDecodeError:
+            import sys
+            exc = sys.exc_info()
+        return logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1, "Invalid encoding on %s",
+                                 (b"Bearer secret-key\xff",), exc)
+
+    first = record()
+    assert redact.filter(first) and first.levelno == logging.WARNING and first.exc_info is None
+    assert "secret-key" not in first.getMessage()
+    assert not any(redact.filter(record()) for _ in range(999)), "held back within the interval"
+    now[0] = 11.0
+    later = record()
+    assert redact.filter(later) and "999 more" in later.getMessage() and "secret-key" not in later.getMessage()
+    other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1, "something else", (), None)
+    assert redact.filter(other) and other.levelno == logging.ERROR

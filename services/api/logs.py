@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from datetime import UTC, datetime
 
 _TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -56,10 +57,46 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, ensure_ascii=False)
 
 
+class UndecodableMetadataFilter(logging.Filter):
+    """grpcio logs every request metadata value that is not UTF-8 in full, at ERROR with a
+    traceback, before any of our code runs: an ``authorization`` value with one stray byte would
+    put the API key in the log, and any client could flood it. Such records become one warning per
+    ``interval_s`` (with a count of the others) that does not show the value."""
+
+    PREFIX = "Invalid encoding on"
+
+    def __init__(self, interval_s: float = 10.0, clock=time.monotonic) -> None:
+        super().__init__()
+        self._interval_s, self._clock = interval_s, clock
+        self._last, self._held = -float("inf"), 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not str(record.msg).startswith(self.PREFIX):
+            return True
+        now = self._clock()
+        if now - self._last < self._interval_s:
+            self._held += 1
+            return False
+        held, self._held, self._last = self._held, 0, now
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.msg = "a call carried request metadata that is not valid UTF-8 (the value is not logged: it may hold a key)"
+        if held:
+            record.msg += f" (and {held} more like it in the last {self._interval_s:g} s)"
+        record.args, record.exc_info, record.exc_text = (), None, None
+        return True
+
+
+GRPC_CORE_LOGGER = "grpc._cython.cygrpc"
+
+
 def configure_logging(level: str, log_format: str) -> None:
-    """Root logging to stdout in ``log_format`` ("text" or "json")."""
+    """Root logging to stdout in ``log_format`` ("text" or "json"); grpcio's records of undecodable
+    metadata are redacted and rate-limited."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(JsonFormatter() if log_format == "json" else TextFormatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    grpc_core = logging.getLogger(GRPC_CORE_LOGGER)
+    grpc_core.filters[:] = [f for f in grpc_core.filters if not isinstance(f, UndecodableMetadataFilter)]
+    grpc_core.addFilter(UndecodableMetadataFilter())

@@ -20,6 +20,8 @@ MAX_MESSAGES = 4096
 a million empty messages would otherwise cost seconds of rendering before any length check."""
 MAX_REQUEST_ID_CHARS = 256
 """A request id is logged with every line about its request: it is an id, not a payload."""
+MAX_SALT_CHARS = 256
+"""A cache salt names a group of requests; it is hashed into every block key of the request."""
 SHRINKING_TOKENIZER_FACTOR = 4
 """For a tokenizer that can drop or shorten text no prompt size bounds the tokens; the derived
 limit then allows this many times the exact bound of a tokenizer that keeps every byte."""
@@ -56,6 +58,8 @@ class RequestLimits:
         """Every size of a Generate request, in the order a client would fix them."""
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidRequest("request_id", f"{len(request.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+        if len(request.cache.salt) > MAX_SALT_CHARS:
+            raise InvalidRequest("cache.salt", f"{len(request.cache.salt)} characters; at most {MAX_SALT_CHARS}")
         self.check_prompt("prompt", request.prompt, request.messages)
         self.check_prompt("encoder_prompt", request.encoder.prompt, None)
         if len(request.stop) > self.stop_strings:
