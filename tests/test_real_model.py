@@ -23,7 +23,6 @@ from services.api.client import complete
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import CacheControl, GenerationRequest
 from services.errors import InvalidRequest
-from services.local.model_catalogue import fetch_model
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.gguf_model import GGUFError, read_gguf
 from services.runtime.chat_template import Message
@@ -59,11 +58,6 @@ def stream(engine: Engine, request: GenerationRequest) -> tuple[list[int], list[
         return ids, logits, last
 
     return asyncio.run(run())
-
-
-@pytest.fixture(scope="session")
-def smollm2() -> Path:
-    return fetch_model("smollm2-135m-instruct")
 
 
 def load(folder: Path, store=None) -> Engine:

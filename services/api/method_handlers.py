@@ -68,6 +68,11 @@ def _refusing_unparseable(behavior: Callable, admit: Callable, streaming: bool) 
     return unary
 
 
+def _serialize(response: Message | bytes) -> bytes:
+    """A method may answer bytes it serialized itself (off the event loop, in pieces)."""
+    return response if isinstance(response, bytes) else response.SerializeToString()
+
+
 def method_handlers(servicer: object) -> dict[str, grpc.RpcMethodHandler]:
     """A handler for every method of the Generator service, each calling the servicer's ``admit``
     (which aborts a call it refuses), then its method of the same name."""
@@ -79,7 +84,7 @@ def method_handlers(servicer: object) -> dict[str, grpc.RpcMethodHandler]:
         handlers[method.name] = make(
             _refusing_unparseable(getattr(servicer, method.name), servicer.admit, method.server_streaming),
             request_deserializer=lenient_deserializer(GetMessageClass(method.input_type)),
-            response_serializer=GetMessageClass(method.output_type).SerializeToString,
+            response_serializer=_serialize,
         )
     return handlers
 
