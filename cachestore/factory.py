@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -61,6 +61,12 @@ class StoreOptions:
     """AUTH password (empty: the URL's, if any)."""
     keyring: Keyring | None = None
     """Signs values written to and verifies values read from the shared tier."""
+
+
+def url_holds_password(url: str) -> bool:
+    """Whether a cache URL carries a password, in its user part or as redis-py's ?password=."""
+    parts = urlsplit(url.removeprefix("tiered+"))
+    return bool(parts.password) or any(key.lower() == "password" for key, _ in parse_qsl(parts.query, keep_blank_values=True))
 
 
 class StoreURLError(ValueError):

@@ -187,6 +187,8 @@ def test_a_wrong_redis_password_or_ca_stops_the_worker_with_one_clear_line(tiny_
     wrong_ca = serve_fails(tiny_model, "--cache", tls_redis.url, "--cache-tls-ca-file", str(other_ca.cert), *tls,
                            env={"KVSHARE_CACHE_PASSWORD": "redis-password-" + "9" * 24})
     assert "TLS handshake failed" in wrong_ca and "--cache-tls-ca-file" in wrong_ca
+    no_password = serve_fails(tiny_model, "--cache", tls_redis.url, "--cache-tls-ca-file", str(ca.cert), *tls)
+    assert "requires a password and none was given" in no_password
 
 
 def test_secrets_never_come_from_the_command_line_and_bad_key_files_refuse_to_start(tiny_model, tmp_path):

@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import sys
 from pathlib import Path
-from urllib.parse import parse_qsl, urlsplit
 
 from services.api.client import add_connection_flags
 from services.api.config import add_settings_flags, settings_from
@@ -14,21 +13,15 @@ from services.modelbuild.presets import DECODER_PRESETS
 from services.runtime.kv_layout import KVLayout
 
 
-def _holds_password(url: str) -> bool:
-    """Whether a cache URL carries a password, in its user part or as redis-py's ?password=."""
-    parts = urlsplit(url.removeprefix("tiered+"))
-    return bool(parts.password) or any(key.lower() == "password" for key, _ in parse_qsl(parts.query, keep_blank_values=True))
-
-
 def _serve(args: argparse.Namespace) -> int:
-    from cachestore.factory import StoreURLError
+    from cachestore.factory import StoreURLError, url_holds_password
     from services.api.logs import configure_logging
     from services.api.server import serve
     from services.errors import ModelLoadError, StartupError
 
     settings = settings_from(args)
     configure_logging(settings.log_level, settings.log_format)
-    if args.cache_url and _holds_password(args.cache_url):
+    if args.cache_url and url_holds_password(args.cache_url):
         print("kvshare serve: the --cache URL holds a password, which every user of this machine can read in the "
               "process list: use --cache-password-file or KVSHARE_CACHE_PASSWORD (or KVSHARE_CACHE_URL)", file=sys.stderr)
         return 2

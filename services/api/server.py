@@ -14,7 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from cachestore.breaker import BreakerPolicy
-from cachestore.factory import RedisTLS, StoreOptions, open_store
+from cachestore.factory import RedisTLS, StoreOptions, open_store, url_holds_password
 from cachestore.signing import Keyring, KeyringError, load_secret
 from cachestore.stats import CacheStats
 from services.api.api_keys import ApiKeys, ApiKeysError
@@ -114,7 +114,7 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     )
 
 
-def check_store(store) -> None:
+def check_store(store, password_given: bool) -> None:
     """Pings the store once at start. Unreachable: a warning, and the worker serves (computing every
     prompt until it answers). Refused credentials or a TLS handshake that fails: a StartupError, since
     waiting will not fix a wrong password or CA."""
@@ -123,6 +123,9 @@ def check_store(store) -> None:
         log.info("cache store: %s", store.name)
     except Exception as exc:  # noqa: BLE001 - any failure to reach it is the same news to an operator
         kind = store.error_kind(exc)
+        if kind == "auth" and not password_given:
+            raise StartupError(f"cache store {store.name} requires a password and none was given: set "
+                               f"--cache-password-file or {PASSWORD_ENV} (and --cache-username for an ACL user)") from exc
         if kind == "auth":
             raise StartupError(f"cache store {store.name} refused the credentials ({exc}): check "
                                f"--cache-username and --cache-password-file (or {PASSWORD_ENV})") from exc
@@ -135,9 +138,10 @@ def check_store(store) -> None:
 
 def load_engine(settings: Settings) -> Engine:
     stats = CacheStats()
-    store = open_store(settings.cache_url, store_options(settings), stats)
+    opened_with = store_options(settings)
+    store = open_store(settings.cache_url, opened_with, stats)
     try:
-        check_store(store)
+        check_store(store, bool(opened_with.password) or url_holds_password(settings.cache_url))
     except StartupError:
         store.close()
         raise
