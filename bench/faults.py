@@ -123,10 +123,19 @@ class Lab:
         previous fault may have left them backing off) and the system prompt's blocks are stored."""
         blocks = len(self.workload.system) // BLOCK_SIZE
         deadline = time.monotonic() + timeout_s
-        while any(s.value for s in worker_samples(self.metrics_ports) if s.name == "kvshare_cache_breaker_open") \
-                or self.client.dbsize() < blocks:
+        while True:
+            samples = list(worker_samples(self.metrics_ports))
+            open_breakers = [s.labels for s in samples if s.name == "kvshare_cache_breaker_open" and s.value]
+            stored = self.client.dbsize()
+            if not open_breakers and stored >= blocks:
+                return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the store was not healthy again after {timeout_s} s")
+                # What was still wrong, so that a rare failure can be told apart from the next one.
+                counts = [(s.name, s.value) for s in samples if s.name in (
+                    "kvshare_cache_blocks_written_total", "kvshare_cache_publishes_dropped_total",
+                    "kvshare_cache_short_circuited_total")]
+                raise TimeoutError(f"the store was not healthy again after {timeout_s} s: breakers open {open_breakers}, "
+                                   f"{stored} of {blocks} blocks stored, worker counters {counts}")
             traffic.wait_completed(1)
 
     def random_key(self) -> bytes | None:
