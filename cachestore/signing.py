@@ -34,11 +34,11 @@ from pathlib import Path
 
 import blake3
 
+from cachestore.secret_files import SecretFileError, check_secret, field_lines
+
 MAGIC = b"KVSG"
 VERSION = 1
 TAG_BYTES = 32
-MIN_SECRET_CHARS = 32
-"""A secret shorter than this is refused: ``openssl rand -hex 32`` gives 64 characters."""
 DOMAIN = b"kvshare cache value v1\x00"
 _KDF_CONTEXT = "kvshare 2026-11-29 cache value signing key"
 _KEY_ID = re.compile(r"[A-Za-z0-9._-]{1,32}")
@@ -54,10 +54,6 @@ class VerifyFailure(StrEnum):
     """No envelope: written by a worker without a signing key, or by someone else."""
     SIGNATURE = "signature"
     """An envelope whose MAC does not verify, or whose key id is not configured here."""
-
-
-class KeyringError(ValueError):
-    """A key file that cannot be used; the message names the file and the line."""
 
 
 @dataclass(frozen=True)
@@ -79,30 +75,19 @@ class Keyring:
         """Reads ``KEY_ID SECRET`` lines (``#`` comments and blank lines ignored); the first key signs
         and every key verifies, so a rotation is: add the new key below the current one on every
         worker, then move it to the top, then remove the old one."""
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise KeyringError(f"{path}: cannot read the signing key file ({exc})") from exc
         secrets: list[tuple[str, str]] = []
-        for number, line in enumerate(text.splitlines(), 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            parts = line.split()
-            where = f"{path}, line {number}"
+        for where, parts in field_lines(path, "signing key file"):
             if len(parts) != 2:
-                raise KeyringError(f"{where}: expected 'KEY_ID SECRET' (two fields), got {len(parts)}")
+                raise SecretFileError(f"{where}: expected 'KEY_ID SECRET' (two fields), got {len(parts)}")
             key_id, secret = parts
             if not _KEY_ID.fullmatch(key_id):
-                raise KeyringError(f"{where}: key id must be 1 to 32 of A-Z a-z 0-9 . _ -")
-            if len(secret) < MIN_SECRET_CHARS:
-                raise KeyringError(f"{where}: the secret has {len(secret)} characters, at least {MIN_SECRET_CHARS} "
-                                   "are needed (e.g. openssl rand -hex 32)")
+                raise SecretFileError(f"{where}: key id must be 1 to 32 of A-Z a-z 0-9 . _ -")
+            check_secret(secret, where, "secret")
             if any(key_id == seen for seen, _ in secrets):
-                raise KeyringError(f"{where}: key id {key_id!r} appears twice")
+                raise SecretFileError(f"{where}: key id {key_id!r} appears twice")
             secrets.append((key_id, secret))
         if not secrets:
-            raise KeyringError(f"{path}: no key: write one 'KEY_ID SECRET' line (e.g. k1 $(openssl rand -hex 32))")
+            raise SecretFileError(f"{path}: no key: write one 'KEY_ID SECRET' line (e.g. k1 $(openssl rand -hex 32))")
         return cls.from_secrets(secrets)
 
     def sign(self, store_key: str, value: bytes | memoryview) -> bytes:
@@ -148,19 +133,3 @@ def _tag(key: bytes, store_key: str, head: bytes | memoryview, value: bytes | me
     h.update(head)
     h.update(value)
     return h.digest()
-
-
-def load_secret(path: Path, what: str) -> bytes:
-    """A single secret from ``path`` (surrounding whitespace dropped), at least MIN_SECRET_CHARS long."""
-    try:
-        secret = path.read_text().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise KeyringError(f"{path}: cannot read the {what} ({exc})") from exc
-    if len(secret) < MIN_SECRET_CHARS:
-        raise KeyringError(f"{path}: the {what} has {len(secret)} characters, at least {MIN_SECRET_CHARS} are "
-                           "needed (e.g. openssl rand -hex 32)")
-    if len(secret.split()) != 1:
-        # A file of several words is most likely another file (a key file's 'KEY_ID SECRET' lines).
-        raise KeyringError(f"{path}: the {what} must be one word without spaces or line breaks (e.g. the output of "
-                           "openssl rand -hex 32); is this the signing key file?")
-    return secret.encode()

@@ -13,13 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cachestore.secret_files import SecretFileError, field_lines
+
 _TENANT = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 BEARER = "bearer "
-
-
-class ApiKeysError(ValueError):
-    """An unusable key file; the message names the file and the line."""
 
 
 @dataclass(frozen=True)
@@ -28,33 +26,24 @@ class ApiKeys:
 
     @classmethod
     def load(cls, path: Path) -> ApiKeys:
-        try:
-            text = path.read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ApiKeysError(f"{path}: cannot read the API key file ({exc})") from exc
         tenants: dict[bytes, str] = {}
-        for number, line in enumerate(text.splitlines(), 1):
-            line = line.strip()
-            if not line or line.startswith("#"):
-                continue
-            where = f"{path}, line {number}"
-            parts = line.split()
+        for where, parts in field_lines(path, "API key file"):
             if len(parts) == 3 and parts[2] == "-":
-                raise ApiKeysError(f"{where}: a third field '-': that is what sha256sum prints after the digest; "
-                                   f"keep only the digest (printf %s \"$KEY\" | sha256sum | cut -d' ' -f1)")
+                raise SecretFileError(f"{where}: a third field '-': that is what sha256sum prints after the digest; "
+                                      f"keep only the digest (printf %s \"$KEY\" | sha256sum | cut -d' ' -f1)")
             if len(parts) != 2:
-                raise ApiKeysError(f"{where}: expected 'TENANT_ID SHA256_HEX_OF_KEY' (two fields), got {len(parts)}")
+                raise SecretFileError(f"{where}: expected 'TENANT_ID SHA256_HEX_OF_KEY' (two fields), got {len(parts)}")
             tenant, digest = parts[0], parts[1].lower()
             if not _TENANT.fullmatch(tenant):
-                raise ApiKeysError(f"{where}: tenant id must be 1 to 64 of A-Z a-z 0-9 . _ -")
+                raise SecretFileError(f"{where}: tenant id must be 1 to 64 of A-Z a-z 0-9 . _ -")
             if not _SHA256_HEX.fullmatch(digest):
-                raise ApiKeysError(f"{where}: the second field must be the SHA-256 of the key in hex (64 digits), "
-                                   "e.g. printf %s \"$KEY\" | sha256sum | cut -d' ' -f1; never the key itself")
+                raise SecretFileError(f"{where}: the second field must be the SHA-256 of the key in hex (64 digits), "
+                                      "e.g. printf %s \"$KEY\" | sha256sum | cut -d' ' -f1; never the key itself")
             if bytes.fromhex(digest) in tenants:
-                raise ApiKeysError(f"{where}: this key digest is listed twice")
+                raise SecretFileError(f"{where}: this key digest is listed twice")
             tenants[bytes.fromhex(digest)] = tenant
         if not tenants:
-            raise ApiKeysError(f"{path}: no key: write one 'TENANT_ID SHA256_HEX_OF_KEY' line")
+            raise SecretFileError(f"{path}: no key: write one 'TENANT_ID SHA256_HEX_OF_KEY' line")
         return cls(tenants)
 
     def tenant(self, metadata: Iterable[tuple[str, str | bytes]]) -> str | None:

@@ -15,6 +15,7 @@ from services.runtime.kv_layout import KVLayout
 
 def _serve(args: argparse.Namespace) -> int:
     from cachestore.factory import StoreURLError, url_holds_password
+    from cachestore.secret_files import SecretFileError
     from services.api.logs import configure_logging
     from services.api.server import serve
     from services.errors import ModelLoadError, StartupError
@@ -37,7 +38,7 @@ def _serve(args: argparse.Namespace) -> int:
     except ModelLoadError as exc:
         print(f"kvshare serve: cannot load model: {exc}", file=sys.stderr)
         return 2
-    except (StoreURLError, StartupError) as exc:
+    except (StoreURLError, SecretFileError, StartupError) as exc:
         print(f"kvshare serve: {exc}", file=sys.stderr)
         return 2
     return 0

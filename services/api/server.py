@@ -15,9 +15,10 @@ from grpc_reflection.v1alpha import reflection
 
 from cachestore.breaker import BreakerPolicy
 from cachestore.factory import RedisTLS, StoreOptions, open_store, url_holds_password
-from cachestore.signing import Keyring, KeyringError, load_secret
+from cachestore.secret_files import load_secret
+from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
-from services.api.api_keys import ApiKeys, ApiKeysError
+from services.api.api_keys import ApiKeys
 from services.api.config import Settings
 from services.api.method_handlers import add_generator_to_server
 from services.api.metrics import WorkerMetrics
@@ -47,12 +48,8 @@ def cache_password(settings: Settings, environ: dict[str, str] | None = None) ->
 
 
 def store_options(settings: Settings) -> StoreOptions:
-    keyring = None
-    if settings.cache_signing_key_file is not None:
-        try:
-            keyring = Keyring.load(settings.cache_signing_key_file)
-        except KeyringError as exc:
-            raise StartupError(str(exc)) from exc
+    """Raises SecretFileError for an unusable signing key file."""
+    keyring = Keyring.load(settings.cache_signing_key_file) if settings.cache_signing_key_file else None
     return StoreOptions(
         ttl_s=settings.cache_ttl_s,
         op_timeout_ms=settings.cache_op_timeout_ms,
@@ -66,24 +63,6 @@ def store_options(settings: Settings) -> StoreOptions:
         password=cache_password(settings),
         keyring=keyring,
     )
-
-
-def namespace_secret(settings: Settings) -> bytes:
-    if settings.cache_namespace_secret_file is None:
-        return b""
-    try:
-        return load_secret(settings.cache_namespace_secret_file, "namespace secret")
-    except KeyringError as exc:
-        raise StartupError(str(exc)) from exc
-
-
-def api_keys(settings: Settings) -> ApiKeys | None:
-    if settings.api_keys_file is None:
-        return None
-    try:
-        return ApiKeys.load(settings.api_keys_file)
-    except ApiKeysError as exc:
-        raise StartupError(str(exc)) from exc
 
 
 def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
@@ -137,7 +116,10 @@ def check_store(store, password_given: bool) -> None:
 
 
 def load_engine(settings: Settings) -> Engine:
+    """Raises SecretFileError for an unusable key or secret file, before anything is opened."""
     stats = CacheStats()
+    secret = (load_secret(settings.cache_namespace_secret_file, "namespace secret")
+              if settings.cache_namespace_secret_file else b"")
     opened_with = store_options(settings)
     store = open_store(settings.cache_url, opened_with, stats)
     try:
@@ -152,7 +134,7 @@ def load_engine(settings: Settings) -> Engine:
         kv_cache_bytes=settings.kv_cache_bytes,
         store_read_threads=settings.store_read_threads, store_write_threads=settings.store_write_threads,
         max_value_bytes=settings.cache_max_value_bytes,
-        namespace_secret=namespace_secret(settings),
+        namespace_secret=secret,
         max_prompt_bytes=settings.max_prompt_bytes, max_stop_strings=settings.max_stop_strings,
         max_stop_string_bytes=settings.max_stop_string_bytes, tokenizer_threads=settings.tokenizer_threads,
     )
@@ -162,7 +144,8 @@ def load_engine(settings: Settings) -> Engine:
 async def serve(settings: Settings) -> None:
     """Serves until SIGTERM or SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while
     still accepting calls, and stops, giving in-flight streams ``drain_s`` seconds to finish."""
-    credentials, keys = server_credentials(settings), api_keys(settings)
+    credentials = server_credentials(settings)
+    keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
     engine = load_engine(settings)
     server = grpc.aio.server(
         options=[
