@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from bench.fleet import INTRA_OP_THREADS, parse_args, print_table
-from cachestore.codec import Expected, ValueKind, decode, encode
+from cachestore.codec import Expected, ValueKind, decode, encode, owner_of
 from cachestore.keys import Namespace, block_hashes, block_key
 from cachestore.prefix import CANONICAL_LAYOUT
 from kvshare.v1 import generator_pb2 as pb
@@ -101,7 +101,7 @@ def overwrite(t: Target, redis_client, rng) -> tuple[int, bool]:
     for key in set(redis_client.keys("kvshare:v1:blk:*")) - before:
         value = redis_client.get(key)
         start = value.find(b"KVSH")  # the codec value, inside a signature envelope or not
-        owner = value[start + 8 + 4 * 5: start + 8 + 4 * 5 + 32]
+        owner = owner_of(value[start:])
         tensor = decode(value[start:], Expected(ValueKind.PREFIX_BLOCK, owner, np.dtype(np.float32))) * -4.0
         redis_client.set(key, value[:start] + encode(ValueKind.PREFIX_BLOCK, owner, tensor))
     answer, cached = generate(t, ids, t.victim)

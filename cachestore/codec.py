@@ -108,35 +108,57 @@ def encode(kind: ValueKind, owner: bytes, tensor: np.ndarray) -> bytes:
     return header + raw.tobytes()
 
 
-def decode(value: bytes | memoryview, expected: Expected) -> np.ndarray:
-    """Checks ``value`` against ``expected`` and returns a read-only view of its tensor."""
-    view = memoryview(value)
+@dataclass(frozen=True, slots=True)
+class _Header:
+    magic: bytes
+    version: int
+    kind: int
+    dtype_code: int
+    shape: tuple[int, ...]
+    owner: bytes
+    length: int
+    checksum: bytes
+    payload_offset: int
+
+
+def _header(view: memoryview) -> _Header:
     try:
         magic, version, kind, dtype_code, ndim = _FIXED.unpack_from(view, 0)
         offset = _FIXED.size
         shape = struct.unpack_from(f"<{ndim}I", view, offset)
         offset += 4 * ndim
         owner, length, checksum = _TAIL.unpack_from(view, offset)
-        offset += _TAIL.size
     except struct.error as exc:
         raise CodecError(RejectReason.FORMAT, f"truncated header ({len(view)} bytes)") from exc
-    if magic != MAGIC or version != VERSION:
-        raise CodecError(RejectReason.FORMAT, f"unknown format {magic!r} v{version}")
-    if kind != expected.kind:
-        raise CodecError(RejectReason.FORMAT, f"value kind {kind}, expected {int(expected.kind)}")
-    if owner != expected.owner:
+    return _Header(magic, version, kind, dtype_code, tuple(shape), owner, length, checksum, offset + _TAIL.size)
+
+
+def owner_of(value: bytes | memoryview) -> bytes:
+    """The hash ``value`` says it was stored under, unchecked (for tools that rewrite values)."""
+    return _header(memoryview(value)).owner
+
+
+def decode(value: bytes | memoryview, expected: Expected) -> np.ndarray:
+    """Checks ``value`` against ``expected`` and returns a read-only view of its tensor."""
+    view = memoryview(value)
+    h = _header(view)
+    if h.magic != MAGIC or h.version != VERSION:
+        raise CodecError(RejectReason.FORMAT, f"unknown format {h.magic!r} v{h.version}")
+    if h.kind != expected.kind:
+        raise CodecError(RejectReason.FORMAT, f"value kind {h.kind}, expected {int(expected.kind)}")
+    if h.owner != expected.owner:
         raise CodecError(RejectReason.OWNER, "value belongs to another key")
-    dtype = _DTYPE_OF.get(dtype_code)
+    dtype = _DTYPE_OF.get(h.dtype_code)
     if dtype != expected.dtype:
-        raise CodecError(RejectReason.FORMAT, f"dtype code {dtype_code}, expected {expected.dtype}")
-    if expected.shape is not None and tuple(shape) != expected.shape:
-        raise CodecError(RejectReason.FORMAT, f"shape {tuple(shape)}, expected {expected.shape}")
-    payload = view[offset:]
-    if len(payload) != length or length != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
-        raise CodecError(RejectReason.FORMAT, f"payload of {len(payload)} bytes, header says {length} for shape {tuple(shape)}")
-    if not expected.authenticated and xxhash.xxh3_128_digest(payload) != checksum:
+        raise CodecError(RejectReason.FORMAT, f"dtype code {h.dtype_code}, expected {expected.dtype}")
+    if expected.shape is not None and h.shape != expected.shape:
+        raise CodecError(RejectReason.FORMAT, f"shape {h.shape}, expected {expected.shape}")
+    payload = view[h.payload_offset:]
+    if len(payload) != h.length or h.length != int(np.prod(h.shape, dtype=np.int64)) * dtype.itemsize:
+        raise CodecError(RejectReason.FORMAT, f"payload of {len(payload)} bytes, header says {h.length} for shape {h.shape}")
+    if not expected.authenticated and xxhash.xxh3_128_digest(payload) != h.checksum:
         raise CodecError(RejectReason.CHECKSUM, "checksum mismatch")
-    tensor = np.frombuffer(payload, dtype=dtype).reshape(shape)
+    tensor = np.frombuffer(payload, dtype=dtype).reshape(h.shape)
     check_range(tensor)
     return tensor
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import collect
 
-from cachestore.codec import Expected, ValueKind, decode, encode
+from cachestore.codec import Expected, ValueKind, decode, encode, owner_of
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import block_key
 from cachestore.signing import MAGIC, Keyring
@@ -214,7 +214,7 @@ def test_non_finite_values_signed_with_the_real_key_still_give_the_cold_answer(t
 
             def poison_every_block():
                 for key, value in stored.items():
-                    owner = bytes(value[28:60])  # the codec header: 8 fixed bytes, 5 dims, then the owner
+                    owner = owner_of(value)
                     tensor = decode(value, Expected(ValueKind.PREFIX_BLOCK, owner, np.dtype(np.float32))).copy()
                     tensor[..., 0] = poison
                     client.set(key, keyring.sign(key, encode(ValueKind.PREFIX_BLOCK, owner, tensor)))
