@@ -119,8 +119,8 @@ class Lab:
         return CaseResult(name, summary, injected, seen)
 
     def _until_cached(self, traffic: Traffic, timeout_s: float = 120.0) -> None:
-        """Waits (on finished requests) until both breakers of every worker are closed again (a
-        previous fault may have left them backing off) and the system prompt's blocks are stored."""
+        """Waits (on finished requests) until no breaker of any worker keeps calls away (a previous
+        fault may have left them backing off) and the system prompt's blocks are stored."""
         blocks = len(self.workload.system) // BLOCK_SIZE
         deadline = time.monotonic() + timeout_s
         while True:
@@ -135,7 +135,8 @@ class Lab:
                     "kvshare_cache_blocks_written_total", "kvshare_cache_publishes_dropped_total",
                     "kvshare_cache_short_circuited_total")]
                 raise TimeoutError(f"the store was not healthy again after {timeout_s} s: breakers open {open_breakers}, "
-                                   f"{stored} of {blocks} blocks stored, worker counters {counts}")
+                                   f"{stored} of {blocks} blocks stored, worker counters {counts}, "
+                                   f"events {dict(worker_events(self.metrics_ports))}")
             traffic.wait_completed(1)
 
     def random_key(self) -> bytes | None:

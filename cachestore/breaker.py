@@ -51,6 +51,17 @@ class CircuitBreaker:
                 return True
             return False
 
+    @property
+    def keeps_calls_away(self) -> bool:
+        """True while a call made now would be refused: open and still backing off, or half-open
+        with its probe in flight. ``state`` alone says OPEN until the next call moves it on, so a
+        breaker whose direction sees no traffic (every block already stored: no writes) would read
+        as open long after its backoff ended."""
+        with self._lock:
+            if self.state is BreakerState.OPEN:
+                return self._clock() < self._open_until
+            return self.state is BreakerState.HALF_OPEN and self._probing
+
     def success(self) -> None:
         with self._lock:
             self.state = BreakerState.CLOSED

@@ -133,16 +133,18 @@ def test_breaker_opens_backs_off_and_recovers():
     breaker.failure()
     assert breaker.allow()
     breaker.failure()
-    assert breaker.state is BreakerState.OPEN and not breaker.allow()
+    assert breaker.state is BreakerState.OPEN and not breaker.allow() and breaker.keeps_calls_away
     now[0] = 0.11
+    assert not breaker.keeps_calls_away, "the backoff is over even though no call has come to move the state on"
     assert breaker.allow() and not breaker.allow(), "exactly one probe when half-open"
+    assert breaker.keeps_calls_away, "the probe is in flight"
     breaker.failure()
     now[0] = 0.25
     assert not breaker.allow(), "backoff doubled to 200 ms"
     now[0] = 0.32
     assert breaker.allow()
     breaker.success()
-    assert breaker.state is BreakerState.CLOSED and breaker.allow()
+    assert breaker.state is BreakerState.CLOSED and breaker.allow() and not breaker.keeps_calls_away
 
 
 def test_unknown_scheme_is_refused():

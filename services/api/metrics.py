@@ -14,7 +14,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from cachestore.breaker import BreakerState
 from cachestore.codec import RejectReason
 from cachestore.resilient import ResilientStore
 from cachestore.store import ERROR_KINDS
@@ -80,7 +79,7 @@ class _EngineCollector(Collector):
             breaker = GaugeMetricFamily("kvshare_cache_breaker_open", "1 while the store's breaker keeps calls away.",
                                         labels=["direction"])
             for direction, b in (("reads", store.read_breaker), ("writes", store.write_breaker)):
-                breaker.add_metric([direction], float(b.state is not BreakerState.CLOSED))
+                breaker.add_metric([direction], float(b.keeps_calls_away))
             yield breaker
 
 
