@@ -24,39 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvshare/v1/generator.proto\x12\nkvshare.v1\"n\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x42\x08\n\x06_top_pB\x07\n\x05_seed\"C\n\x0c\x43\x61\x63heOptions\x12\x11\n\tskip_read\x18\x01 \x01(\x08\x12\x12\n\nskip_write\x18\x02 \x01(\x08\x12\x0c\n\x04salt\x18\x03 \x01(\t\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x0c \x03(\x0b\x32\x17.kvshare.v1.ChatMessage\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvshare.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\'\n\x05\x63\x61\x63he\x18\x08 \x01(\x0b\x32\x18.kvshare.v1.CacheOptions\x12\x16\n\x0e\x65ncoder_prompt\x18\t \x01(\t\x12 \n\x18\x65ncoder_prompt_token_ids\x18\n \x03(\x05\x12,\n\x10\x65ncoder_features\x18\x0b \x01(\x0b\x32\x12.kvshare.v1.Tensor\"r\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x65ncoder_cache_hit\x18\x04 \x01(\x08\"g\n\x07Timings\x12\x1e\n\x16time_to_first_token_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0e\x63\x61\x63he_fetch_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xac\x01\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvshare.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvshare.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.kvshare.v1.Timings\"]\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvshare.v1.ChatMessage\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9a\x02\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x11\n\thead_size\x18\x06 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x17\n\x0f\x65ncoder_decoder\x18\x0b \x01(\x08\x12\x1a\n\x12\x65xecution_provider\x18\x0c \x01(\t*v\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x32\xee\x01\n\tGenerator\x12G\n\x08Generate\x12\x1b.kvshare.v1.GenerateRequest\x1a\x1c.kvshare.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvshare.v1.TokenizeRequest\x1a\x1c.kvshare.v1.TokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.kvshare.v1.GetModelInfoRequest\x1a .kvshare.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1akvshare/v1/generator.proto\x12\nkvshare.v1\"\xea\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x05 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x42\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"C\n\x0c\x43\x61\x63heOptions\x12\x11\n\tskip_read\x18\x01 \x01(\x08\x12\x12\n\nskip_write\x18\x02 \x01(\x08\x12\x0c\n\x04salt\x18\x03 \x01(\t\"4\n\x06Tensor\x12\r\n\x05shape\x18\x01 \x03(\x03\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xee\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12)\n\x08messages\x18\x0c \x03(\x0b\x32\x17.kvshare.v1.ChatMessage\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12,\n\x08sampling\x18\x05 \x01(\x0b\x32\x1a.kvshare.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\'\n\x05\x63\x61\x63he\x18\x08 \x01(\x0b\x32\x18.kvshare.v1.CacheOptions\x12\x16\n\x0e\x65ncoder_prompt\x18\t \x01(\t\x12 \n\x18\x65ncoder_prompt_token_ids\x18\n \x03(\x05\x12,\n\x10\x65ncoder_features\x18\x0b \x01(\x0b\x32\x12.kvshare.v1.Tensor\x12\x16\n\x0emin_new_tokens\x18\r \x01(\r\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\"\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08\x12\x10\n\x08logprobs\x18\x10 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x11 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x12 \x01(\x08\x12\t\n\x01n\x18\x13 \x01(\r\x12\x11\n\tnum_beams\x18\x14 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x15 \x01(\x02H\x00\x88\x01\x01\x12\x16\n\x0e\x65\x61rly_stopping\x18\x16 \x01(\x08\x42\x11\n\x0f_length_penalty\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04text\x18\x03 \x01(\t\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.kvshare.v1.TopLogprob\"r\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x65ncoder_cache_hit\x18\x04 \x01(\x08\"g\n\x07Timings\x12\x1e\n\x16time_to_first_token_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x16\n\x0e\x63\x61\x63he_fetch_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xfb\x02\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.kvshare.v1.FinishReason\x12 \n\x05usage\x18\x04 \x01(\x0b\x32\x11.kvshare.v1.Usage\x12$\n\x07timings\x18\x05 \x01(\x0b\x32\x13.kvshare.v1.Timings\x12\r\n\x05index\x18\x06 \x01(\r\x12*\n\x08logprobs\x18\x07 \x03(\x0b\x32\x18.kvshare.v1.TokenLogprob\x12\x31\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x18.kvshare.v1.TokenLogprob\x12\x1a\n\x10matched_stop_str\x18\t \x01(\tH\x00\x12\x1f\n\x15matched_stop_token_id\x18\n \x01(\x05H\x00\x12\x12\n\nbeam_score\x18\x0b \x01(\x01\x42\x0e\n\x0cmatched_stop\"]\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12)\n\x08messages\x18\x03 \x03(\x0b\x32\x17.kvshare.v1.ChatMessage\"3\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\x9a\x02\n\x14GetModelInfoResponse\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x11\n\tnum_heads\x18\x04 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x05 \x01(\r\x12\x11\n\thead_size\x18\x06 \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x07 \x01(\r\x12\x12\n\nvocab_size\x18\x08 \x01(\r\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x12\n\nblock_size\x18\n \x01(\r\x12\x17\n\x0f\x65ncoder_decoder\x18\x0b \x01(\x08\x12\x1a\n\x12\x65xecution_provider\x18\x0c \x01(\t*\x8f\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xee\x01\n\tGenerator\x12G\n\x08Generate\x12\x1b.kvshare.v1.GenerateRequest\x1a\x1c.kvshare.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.kvshare.v1.TokenizeRequest\x1a\x1c.kvshare.v1.TokenizeResponse\x12Q\n\x0cGetModelInfo\x12\x1f.kvshare.v1.GetModelInfoRequest\x1a .kvshare.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvshare.v1.generator_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1549
-  _globals['_FINISHREASON']._serialized_end=1667
-  _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=152
-  _globals['_CACHEOPTIONS']._serialized_start=154
-  _globals['_CACHEOPTIONS']._serialized_end=221
-  _globals['_TENSOR']._serialized_start=223
-  _globals['_TENSOR']._serialized_end=275
-  _globals['_CHATMESSAGE']._serialized_start=277
-  _globals['_CHATMESSAGE']._serialized_end=321
-  _globals['_GENERATEREQUEST']._serialized_start=324
-  _globals['_GENERATEREQUEST']._serialized_end=695
-  _globals['_USAGE']._serialized_start=697
-  _globals['_USAGE']._serialized_end=811
-  _globals['_TIMINGS']._serialized_start=813
-  _globals['_TIMINGS']._serialized_end=916
-  _globals['_GENERATERESPONSE']._serialized_start=919
-  _globals['_GENERATERESPONSE']._serialized_end=1091
-  _globals['_TOKENIZEREQUEST']._serialized_start=1093
-  _globals['_TOKENIZEREQUEST']._serialized_end=1186
-  _globals['_TOKENIZERESPONSE']._serialized_start=1188
-  _globals['_TOKENIZERESPONSE']._serialized_end=1239
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1241
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1262
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1265
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1547
-  _globals['_GENERATOR']._serialized_start=1670
-  _globals['_GENERATOR']._serialized_end=1908
+  _globals['_FINISHREASON']._serialized_start=2284
+  _globals['_FINISHREASON']._serialized_end=2427
+  _globals['_SAMPLINGPARAMS']._serialized_start=43
+  _globals['_SAMPLINGPARAMS']._serialized_end=277
+  _globals['_CACHEOPTIONS']._serialized_start=279
+  _globals['_CACHEOPTIONS']._serialized_end=346
+  _globals['_TENSOR']._serialized_start=348
+  _globals['_TENSOR']._serialized_end=400
+  _globals['_CHATMESSAGE']._serialized_start=402
+  _globals['_CHATMESSAGE']._serialized_end=446
+  _globals['_GENERATEREQUEST']._serialized_start=449
+  _globals['_GENERATEREQUEST']._serialized_end=1071
+  _globals['_TOPLOGPROB']._serialized_start=1073
+  _globals['_TOPLOGPROB']._serialized_end=1134
+  _globals['_TOKENLOGPROB']._serialized_start=1136
+  _globals['_TOKENLOGPROB']._serialized_end=1222
+  _globals['_USAGE']._serialized_start=1224
+  _globals['_USAGE']._serialized_end=1338
+  _globals['_TIMINGS']._serialized_start=1340
+  _globals['_TIMINGS']._serialized_end=1443
+  _globals['_GENERATERESPONSE']._serialized_start=1446
+  _globals['_GENERATERESPONSE']._serialized_end=1825
+  _globals['_TOKENIZEREQUEST']._serialized_start=1827
+  _globals['_TOKENIZEREQUEST']._serialized_end=1920
+  _globals['_TOKENIZERESPONSE']._serialized_start=1922
+  _globals['_TOKENIZERESPONSE']._serialized_end=1973
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1975
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1996
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1999
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2281
+  _globals['_GENERATOR']._serialized_start=2430
+  _globals['_GENERATOR']._serialized_end=2668
 # @@protoc_insertion_point(module_scope)

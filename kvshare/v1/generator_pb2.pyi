@@ -13,22 +13,32 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_EOS: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_EOS: FinishReason
+FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class CacheOptions(_message.Message):
     __slots__ = ("skip_read", "skip_write", "salt")
@@ -59,7 +69,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "max_new_tokens", "sampling", "stop", "ignore_eos", "cache", "encoder_prompt", "encoder_prompt_token_ids", "encoder_features")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "max_new_tokens", "sampling", "stop", "ignore_eos", "cache", "encoder_prompt", "encoder_prompt_token_ids", "encoder_features", "min_new_tokens", "stop_token_ids", "include_stop_str_in_output", "logprobs", "top_logprobs", "prompt_logprobs", "n", "num_beams", "length_penalty", "early_stopping")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +82,16 @@ class GenerateRequest(_message.Message):
     ENCODER_PROMPT_FIELD_NUMBER: _ClassVar[int]
     ENCODER_PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ENCODER_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    MIN_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_STOP_STR_IN_OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    NUM_BEAMS_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -84,7 +104,37 @@ class GenerateRequest(_message.Message):
     encoder_prompt: str
     encoder_prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     encoder_features: Tensor
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., cache: _Optional[_Union[CacheOptions, _Mapping]] = ..., encoder_prompt: _Optional[str] = ..., encoder_prompt_token_ids: _Optional[_Iterable[int]] = ..., encoder_features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    min_new_tokens: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    include_stop_str_in_output: bool
+    logprobs: bool
+    top_logprobs: int
+    prompt_logprobs: bool
+    n: int
+    num_beams: int
+    length_penalty: float
+    early_stopping: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., cache: _Optional[_Union[CacheOptions, _Mapping]] = ..., encoder_prompt: _Optional[str] = ..., encoder_prompt_token_ids: _Optional[_Iterable[int]] = ..., encoder_features: _Optional[_Union[Tensor, _Mapping]] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "text")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    text: str
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., text: _Optional[str] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "encoder_cache_hit")
@@ -111,18 +161,30 @@ class Timings(_message.Message):
     def __init__(self, time_to_first_token_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., cache_fetch_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings")
+    __slots__ = ("token_ids", "text", "finish_reason", "usage", "timings", "index", "logprobs", "prompt_logprobs", "matched_stop_str", "matched_stop_token_id", "beam_score")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_STR_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    BEAM_SCORE_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     finish_reason: FinishReason
     usage: Usage
     timings: Timings
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    index: int
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    matched_stop_str: str
+    matched_stop_token_id: int
+    beam_score: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., index: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., matched_stop_str: _Optional[str] = ..., matched_stop_token_id: _Optional[int] = ..., beam_score: _Optional[float] = ...) -> None: ...
 
 class TokenizeRequest(_message.Message):
     __slots__ = ("text", "token_ids", "messages")

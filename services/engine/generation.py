@@ -17,7 +17,41 @@ from services.runtime.chat_template import Message
 class FinishReason(Enum):
     LENGTH = "length"
     STOP = "stop"
+    """A stop string or a stop token id (the chunk's ``matched_stop`` says which)."""
     EOS = "eos"
+    ABORT = "abort"
+    """The worker ended the stream after sending tokens (shutting down, or the client stopped reading)."""
+
+
+@dataclass(frozen=True, slots=True)
+class BeamSearch:
+    """Beam search settings (the proto's GenerateRequest.num_beams, length_penalty, early_stopping)."""
+
+    num_beams: int = 1
+    """1: no beam search."""
+    length_penalty: float = 1.0
+    early_stopping: bool = False
+
+    @property
+    def on(self) -> bool:
+        return self.num_beams > 1
+
+
+@dataclass(frozen=True, slots=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+    text: str = ""
+
+
+@dataclass(slots=True)
+class TokenLogprob:
+    """One position: the chosen (or prompt) token's log-probability under the raw logits, and the
+    most likely alternatives (most likely first) when top_logprobs was asked for."""
+
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +83,15 @@ class GenerationRequest:
     enters the cache namespace, so tenants never share blocks."""
     return_logits: bool = False
     """Attach each generated position's logits to the chunks (engine-level checks; not in the API)."""
+    min_new_tokens: int = 0
+    stop_token_ids: Sequence[int] = ()
+    include_stop_str_in_output: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: bool = False
+    n: int = 1
+    """Independent samples; sample i is seeded with ``sampling.seed + i``."""
+    beams: BeamSearch = field(default_factory=BeamSearch)
 
 
 @dataclass(slots=True)
@@ -105,3 +148,13 @@ class GenerationChunk:
     timings: Timings | None = None
     logits: list[np.ndarray] = field(default_factory=list)
     """With ``GenerationRequest.return_logits``: float32 ``[vocab]`` per token of ``token_ids``."""
+    index: int = 0
+    """The sample (or, with beam search, the hypothesis' rank) these tokens belong to."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """With ``GenerationRequest.logprobs``: one per token of ``token_ids``."""
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """With ``GenerationRequest.prompt_logprobs``, on a sample's first chunk: one per prompt token after the first."""
+    matched_stop: str | int | None = None
+    """With finish reason STOP: the stop string (str) or stop token id (int) that matched."""
+    beam_score: float | None = None
+    """Beam search, on the final chunk: the hypothesis' length-normalised score."""

@@ -9,12 +9,18 @@ import numpy as np
 
 @dataclass(frozen=True, slots=True)
 class SamplingConfig:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable their filters; seed None is random."""
+    """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 disable their filters; seed None
+    is random. The penalties (proto SamplingParams for their formulas) act on the raw logits before
+    any of these: repetition_penalty 1, presence_penalty 0 and frequency_penalty 0 disable them."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     @property
     def greedy(self) -> bool:
