@@ -20,7 +20,7 @@ from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.servicer import GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
-from services.engine.generation import CacheControl, GenerationRequest
+from services.engine.generation import CacheControl, FinishReason, GenerationRequest
 from services.engine.sampling import SamplingConfig
 from services.engine.scheduler import SchedulerOptions
 from services.engine.sequence import Phase
@@ -398,9 +398,9 @@ def test_a_client_that_stops_reading_loses_its_slot(tiny_model):
         await stalled.__anext__()
         seq = engine.scheduler.active[0]
         await wait_for(lambda: seq.done, "the paused sequence to be ended")
-        with pytest.raises(Overloaded, match="stopped reading"):
-            async for _ in stalled:
-                pass
+        # Tokens already went out, so the stream ends as an answer cut short, not as an error.
+        chunks = [chunk async for chunk in stalled]
+        assert chunks[-1].finish_reason is FinishReason.ABORT
         tokens, _, _ = await run_stream(engine, request(prompt(12, 6), n=5))  # the slot is free again
         return tokens
 

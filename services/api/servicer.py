@@ -28,14 +28,16 @@ from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.api_keys import ApiKeys
 from services.engine.encoder_input import EncoderFeatures, EncoderRequest
-from services.engine.engine import Engine
+from services.engine.engine import MAX_STOP_TOKEN_IDS, Engine
 from services.engine.generation import (
+    BeamSearch,
     CacheControl,
     FinishReason,
     GenerationChunk,
     GenerationRequest,
     TokenizeRequest,
     TokenizeResult,
+    TokenLogprob,
 )
 from services.engine.request_limits import MAX_MESSAGES
 from services.engine.sampling import SamplingConfig
@@ -60,6 +62,7 @@ _FINISH = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 
 
@@ -104,6 +107,10 @@ def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: s
             top_k=sampling.top_k,
             top_p=sampling.top_p if sampling.HasField("top_p") else 1.0,
             seed=sampling.seed if sampling.HasField("seed") else None,
+            min_p=sampling.min_p,
+            repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else 1.0,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
         ),
         stop=list(request.stop[: max_stop_strings + 1]),
         ignore_eos=request.ignore_eos,
@@ -120,6 +127,18 @@ def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: s
             skip_read=request.cache.skip_read, skip_write=request.cache.skip_write, salt=request.cache.salt
         ),
         tenant=tenant,
+        min_new_tokens=request.min_new_tokens,
+        stop_token_ids=list(request.stop_token_ids[: MAX_STOP_TOKEN_IDS + 1]),
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
+        prompt_logprobs=request.prompt_logprobs,
+        n=request.n or 1,
+        beams=BeamSearch(
+            num_beams=request.num_beams or 1,
+            length_penalty=request.length_penalty if request.HasField("length_penalty") else 1.0,
+            early_stopping=request.early_stopping,
+        ),
     )
 
 
@@ -135,10 +154,23 @@ def tokenize_response(result: TokenizeResult) -> bytes:
     return b"".join(pieces)
 
 
+def _logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                            top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, text=t.text) for t in e.top])
+            for e in entries]
+
+
 def response_message(chunk: GenerationChunk) -> pb.GenerateResponse:
-    message = pb.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text)
+    message = pb.GenerateResponse(token_ids=chunk.token_ids, text=chunk.text, index=chunk.index,
+                                  logprobs=_logprobs(chunk.logprobs), prompt_logprobs=_logprobs(chunk.prompt_logprobs))
     if chunk.finish_reason is not None:
         message.finish_reason = _FINISH[chunk.finish_reason]
+        if isinstance(chunk.matched_stop, str):
+            message.matched_stop_str = chunk.matched_stop
+        elif chunk.matched_stop is not None:
+            message.matched_stop_token_id = chunk.matched_stop
+        if chunk.beam_score is not None:
+            message.beam_score = chunk.beam_score
         u, t = chunk.usage, chunk.timings
         message.usage.CopyFrom(pb.Usage(
             prompt_tokens=u.prompt_tokens, cached_prompt_tokens=u.cached_prompt_tokens,

@@ -32,6 +32,7 @@ from cachestore.cross import CrossStore
 from cachestore.keys import (
     BlockHash,
     Namespace,
+    block_hashes,
     block_key,
     cross_key,
     encoder_input_hash,
@@ -40,6 +41,7 @@ from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, Prefix
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
+from services.engine.beam_search import BeamState
 from services.engine.encoder_input import encoder_array
 from services.engine.generation import (
     FinishReason,
@@ -50,6 +52,8 @@ from services.engine.generation import (
     TokenizeResult,
     Usage,
 )
+from services.engine.logprobs import MAX_TOP_LOGPROBS, with_text
+from services.engine.penalties import LogitsAdjuster
 from services.engine.request_limits import (
     SHRINKING_TOKENIZER_FACTOR,
     RequestLimits,
@@ -57,13 +61,14 @@ from services.engine.request_limits import (
 )
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
-from services.engine.sequence import Sequence
+from services.engine.sequence import Sequence, SequenceGroup
 from services.engine.stop_matcher import StopMatcher
 from services.engine.text_stream import TextStream
 from services.errors import (
     FailedPrecondition,
     InvalidRequest,
     ModelLoadError,
+    Overloaded,
     RequestOutOfRange,
 )
 from services.runtime.chat_template import (
@@ -128,6 +133,7 @@ class EngineOptions:
 
 
 MAX_DERIVED_BATCH = 64
+MAX_STOP_TOKEN_IDS = 64
 
 
 def derived_max_batch(kv_bytes_per_token: int, context_length: int, kv_cache_bytes: int) -> int:
@@ -317,11 +323,56 @@ class Engine:
         cap = self.options.max_new_tokens_cap
         if not 1 <= request.max_new_tokens <= cap:
             raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap}, got {request.max_new_tokens}")
+        if request.min_new_tokens > request.max_new_tokens:
+            raise InvalidRequest("min_new_tokens", f"must not exceed max_new_tokens ({request.max_new_tokens}), "
+                                 f"got {request.min_new_tokens}")
         s = request.sampling
         if not (math.isfinite(s.temperature) and s.temperature >= 0.0):
             raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
         if not 0.0 < s.top_p <= 1.0:
             raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+        if not 0.0 <= s.min_p <= 1.0:
+            raise InvalidRequest("sampling.min_p", f"must be in [0, 1] (0 = off), got {s.min_p}")
+        if not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0.0):
+            raise InvalidRequest("sampling.repetition_penalty", f"must be a finite number > 0 (1 = off), got {s.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(s, name) <= 2.0:
+                raise InvalidRequest(f"sampling.{name}", f"must be in [-2, 2] (0 = off), got {getattr(s, name)}")
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got more")
+        self._checked_ids("stop_token_ids", request.stop_token_ids)
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        if request.top_logprobs and not (request.logprobs or request.prompt_logprobs):
+            raise InvalidRequest("top_logprobs", "applies to logprobs or prompt_logprobs: set one of them")
+        if request.prompt_logprobs and not self.session.logits_per_position:
+            raise FailedPrecondition(f"model {self.spec.name}'s graph emits only the last position's logits: "
+                                     "prompt_logprobs cannot be computed")
+        self._check_rows(request)
+
+    def _check_rows(self, request: GenerationRequest) -> None:
+        """n samples and beam search: each row is a slot, so a request may hold at most the batch."""
+        rows_cap = self.scheduler.options.max_batch
+        beams = request.beams
+        if not 1 <= request.n <= rows_cap:
+            raise InvalidRequest("n", f"must be between 1 and the worker's batch of {rows_cap} (--max-batch), got {request.n}")
+        if not beams.on:
+            return
+        if beams.num_beams > rows_cap:
+            raise InvalidRequest("num_beams", f"must not exceed the worker's batch of {rows_cap} (--max-batch), "
+                                 f"got {beams.num_beams}")
+        if request.n > beams.num_beams:
+            raise InvalidRequest("n", f"returns the n best of num_beams hypotheses: must not exceed num_beams "
+                                 f"({beams.num_beams}), got {request.n}")
+        if not math.isfinite(beams.length_penalty):
+            raise InvalidRequest("length_penalty", f"must be a finite number, got {beams.length_penalty}")
+        s = request.sampling
+        refused = [name for name, used in (
+            ("sampling.temperature", not s.greedy), ("sampling.top_k", s.top_k), ("sampling.top_p", s.top_p < 1.0),
+            ("sampling.min_p", s.min_p), ("stop", request.stop), ("logprobs", request.logprobs)) if used]
+        if refused:
+            raise InvalidRequest(refused[0], "beam search is deterministic and sends whole hypotheses at the end: "
+                                 "temperature must be 0, and top_k, top_p, min_p, stop strings and logprobs unset")
 
     async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R]) -> R:
         """The Tokenize call: text or messages to ids, or ids to text; returns ``shape(result)``.
@@ -387,6 +438,22 @@ class Engine:
         seq.cross_kv = None
         seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
 
+    def finished(self, seq: Sequence) -> None:
+        """On the scheduler thread, when a sequence ended by EOS, a stop token or its length: the
+        full blocks of prompt + answer that the prompt's own publish did not cover are copied out
+        and published, so a chat's next turn (which sends this answer back) finds them on any
+        replica. The last token's K/V was never computed (it was not fed), so the blocks stop
+        before it. Beams are not published: their rows were reordered along the search."""
+        if seq.cache.skip_write or (seq.group is not None and seq.group.beams is not None):
+            return
+        size = seq.namespace.block_size
+        first, last = len(seq.prompt) // size, seq.slot.length // size
+        if last <= first:
+            return
+        hashes = block_hashes(seq.namespace, [*seq.prompt, *seq.tokens][: last * size])
+        kv = self.slots.canonical(seq.slot, first * size, last * size)
+        self._in_background(lambda: self.prefix.publish(hashes, kv, first, size))
+
     def prefilled(self, seq: Sequence) -> None:
         """On the scheduler thread, right after the prompt's last chunk: copies the blocks the store
         lacked out of the slot and publishes them on a write thread. The copy is taken now because
@@ -437,67 +504,106 @@ class Engine:
         with self._publish_lock:
             self._pending_publishes.discard(future)
 
-    def _sequence(self, request: GenerationRequest, prepared: PreparedRequest, t0: float) -> Sequence:
+    def _rows(self, request: GenerationRequest, prepared: PreparedRequest, t0: float) -> list[Sequence]:
+        """The request's sequences: one, or a group of n samples (sample i seeded ``seed + i``) or
+        num_beams beams sharing one event that wakes the consumer."""
         input_hash = None
         if prepared.encoder_input is not None:
             input_hash = self.encoder_input_hash(request.cache.salt, prepared.encoder_input, request.tenant)
-        return Sequence(
-            request_id=request.request_id or uuid.uuid4().hex,
-            prompt=prepared.ids,
-            max_new_tokens=request.max_new_tokens,
-            sampler=Sampler(request.sampling),
-            stop_token_ids=frozenset() if request.ignore_eos else frozenset(self.spec.eos_token_ids),
-            namespace=self.namespace(request.cache.salt, input_hash, request.tenant),
-            cache=request.cache,
-            t0=t0,
-            loop=asyncio.get_running_loop(),
-            encoder_input=prepared.encoder_input,
-            encoder_hash=input_hash,
-            return_logits=request.return_logits,
-            usage=Usage(prompt_tokens=len(prepared.ids)),
-        )
+        beams = request.beams
+        count = beams.num_beams if beams.on else request.n
+        # Prompt log-probabilities need logits where the prompt is computed: nothing is read.
+        cache = replace(request.cache, skip_read=True) if request.prompt_logprobs else request.cache
+        eos = frozenset() if request.ignore_eos else frozenset(self.spec.eos_token_ids)
+        stop_ids = frozenset(request.stop_token_ids)
+        ready = asyncio.Event()
+        rows = []
+        for i in range(count):
+            sampling = request.sampling
+            if sampling.seed is not None and i:
+                sampling = replace(sampling, seed=(sampling.seed + i) % 2**64)
+            adjust = None
+            if LogitsAdjuster.needed(sampling, request.min_new_tokens):
+                adjust = LogitsAdjuster(sampling, prepared.ids, self.spec.vocab_size, eos | stop_ids, request.min_new_tokens)
+            rows.append(Sequence(
+                request_id=request.request_id or uuid.uuid4().hex,
+                prompt=prepared.ids,
+                max_new_tokens=request.max_new_tokens,
+                sampler=Sampler(sampling),
+                eos_ids=eos,
+                stop_ids=stop_ids,
+                namespace=self.namespace(request.cache.salt, input_hash, request.tenant),
+                cache=cache,
+                t0=t0,
+                loop=asyncio.get_running_loop(),
+                encoder_input=prepared.encoder_input,
+                encoder_hash=input_hash,
+                return_logits=request.return_logits,
+                usage=Usage(prompt_tokens=len(prepared.ids)),
+                adjust=adjust,
+                logprobs=request.logprobs,
+                top_logprobs=request.top_logprobs,
+                prompt_logprobs=[] if request.prompt_logprobs and i == 0 else None,
+                index=i,
+                ready=ready,
+            ))
+        if count > 1:
+            group = SequenceGroup(rows, BeamState(beams, eos | stop_ids) if beams.on else None,
+                                  outputs=request.n if beams.on else count)
+            for seq in rows:
+                seq.group = group
+        return rows
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
-        """Yields chunks until a stop condition; validation errors and ``Overloaded`` raise before
-        the first chunk.
+        """Yields chunks until every sample has ended; validation errors and ``Overloaded`` raise
+        before the first chunk.
 
-        Each chunk holds every token made since the previous one: a client that reads slower than
-        tokens are made gets fewer, larger messages, and past ``max_unread_tokens`` its sequence
-        pauses rather than buffering without bound. Closing the stream (cancel, deadline, client
-        gone) frees the sequence's slot at the scheduler's next step.
+        Each chunk holds every token one sample made since its previous chunk: a client that reads
+        slower than tokens are made gets fewer, larger messages, and past ``max_unread_tokens`` a
+        sequence pauses rather than buffering without bound. Closing the stream (cancel, deadline,
+        client gone) frees every slot of the request at the scheduler's next step.
         """
         t0 = time.perf_counter()
         # Sizes first, on the loop: an oversized request is refused at once, not after waiting
         # behind other requests' tokenizing.
         self.limits.check_generation(request)
         prepared = await self._off_loop(self.tokenized, request)
-        seq = self._sequence(request, prepared, t0)
-        self.scheduler.submit(seq)
+        rows = self._rows(request, prepared, t0)
+        self.scheduler.submit(rows)
         self.stats.started += 1
         self.stats.active += 1
-        text = TextStream(self.tokenizer, prepared.stops or ())
+        outputs = rows[: rows[0].group.outputs] if rows[0].group is not None else rows
+        texts = {id(seq): TextStream(self.tokenizer, prepared.stops or (), request.include_stop_str_in_output)
+                 for seq in outputs}
+        ready = rows[0].ready
+        open_rows = list(outputs)
         finish: FinishReason | None = None
         try:
-            while finish is None:
-                await seq.ready.wait()
-                seq.ready.clear()
-                items = seq.drain()
-                if not items:
-                    continue
-                chunk = self._chunk(seq, items, text)
-                finish = chunk.finish_reason
-                if len(items) >= self.scheduler.options.max_unread_tokens:
-                    self.scheduler.wake()  # it may have paused this sequence: it can decode again
-                yield chunk
+            while open_rows:
+                await ready.wait()
+                ready.clear()
+                for seq in list(open_rows):
+                    items = seq.drain()
+                    if not items:
+                        continue
+                    chunk = self._chunk(seq, items, texts[id(seq)], request)
+                    if len(items) >= self.scheduler.options.max_unread_tokens:
+                        self.scheduler.wake()  # it may have paused this sequence: it can decode again
+                    if chunk.finish_reason is not None:
+                        finish = chunk.finish_reason
+                        open_rows.remove(seq)
+                        self.scheduler.abort([seq])  # a stop string ends it here, not in the scheduler
+                    yield chunk
         finally:
             # Reached on completion, on an error, and when the consumer is cancelled or goes away.
-            self.scheduler.abort(seq)
+            self.scheduler.abort(rows)
             self.stats.active -= 1
-            if finish is not None:
+            if not open_rows:
                 self.stats.finished += 1
             else:
                 self.stats.cancelled += 1
-            self._log_request(seq, finish)
+                finish = None
+            self._log_request(rows[0], finish)
 
     def _log_request(self, seq: Sequence, finish: FinishReason | None) -> None:
         """One line per request that reached the scheduler (what it asked, what the cache gave, what
@@ -518,32 +624,53 @@ class Engine:
                      "total_ms": round(total_s * 1e3, 1),
                  }})
 
-    def _chunk(self, seq: Sequence, items: list, text: TextStream) -> GenerationChunk:
-        """Turns drained tokens into one chunk: text deltas, and the finish reason once the
-        scheduler (EOS, length) or a stop string ends the stream. Raises a failed sequence's error."""
+    def _chunk(self, seq: Sequence, items: list, text: TextStream, request: GenerationRequest) -> GenerationChunk:
+        """Turns one sequence's drained tokens into one chunk: text deltas, log-probabilities, and
+        the finish reason once the scheduler (EOS, stop token, length) or a stop string ends it.
+        Raises a failed sequence's error, except that a stream the worker gave up on after tokens
+        went out (shutting down, client not reading) ends with ABORT: what was sent stays valid."""
         tokens: list[int] = []
-        delta, reason = "", None
-        logits = seq.logits[seq.usage.completion_tokens : seq.usage.completion_tokens + len(items)] if seq.return_logits else []
+        logprobs = []
+        delta, reason, matched = "", None, None
+        sent = seq.usage.completion_tokens
+        logits = seq.logits[sent : sent + len(items)] if seq.return_logits else []
         for i, item in enumerate(items):
             if isinstance(item, BaseException):
+                if isinstance(item, Overloaded) and (tokens or sent):
+                    reason = FinishReason.ABORT
+                    break
                 if not tokens:
                     raise item
                 # Send the tokens made before the error first; the error ends the stream next.
                 seq.outbox.extendleft(reversed(items[i:]))
                 seq.ready.set()
                 break
-            token, reason = item
+            token, reason, logprob = item
             tokens.append(token)
+            if logprob is not None:
+                logprobs.append(logprob)
             seq.usage.completion_tokens += 1
-            delta += text.push(token)
+            if reason is FinishReason.STOP:  # a stop token id: its text only on request
+                matched = token
+                if request.include_stop_str_in_output:
+                    delta += text.push(token)
+            else:
+                delta += text.push(token, armed=seq.usage.completion_tokens >= request.min_new_tokens)
             if text.stopped:
-                reason = FinishReason.STOP
+                reason, matched = FinishReason.STOP, text.matched
             if reason is not None:
                 break
+        chunk = GenerationChunk(tokens, delta, logits=logits[: len(tokens)], index=seq.index,
+                                logprobs=with_text(logprobs, self.tokenizer))
+        if sent == 0 and seq.prompt_logprobs is not None:
+            chunk.prompt_logprobs = with_text(seq.prompt_logprobs, self.tokenizer)
         if reason is None:
-            return GenerationChunk(tokens, delta, logits=logits[: len(tokens)])
-        delta += text.finish()
+            return chunk
+        if not text.stopped:
+            chunk.text += text.finish()
         if text.stopped:  # a stop string hidden behind an unfinished character until now
-            reason = FinishReason.STOP
+            reason, matched = FinishReason.STOP, text.matched
         seq.timings.total_ms = (time.perf_counter() - seq.t0) * 1e3
-        return GenerationChunk(tokens, delta, reason, seq.usage, seq.timings, logits=logits[: len(tokens)])
+        chunk.finish_reason, chunk.usage, chunk.timings = reason, seq.usage, seq.timings
+        chunk.matched_stop, chunk.beam_score = matched, seq.beam_score
+        return chunk

@@ -37,7 +37,7 @@ class BeamSearch:
         return self.num_beams > 1
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TopLogprob:
     token_id: int
     logprob: float

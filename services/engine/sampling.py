@@ -1,4 +1,4 @@
-"""Choosing the next token from one position's logits: greedy, temperature, top-k, top-p."""
+"""Choosing the next token from one position's logits: greedy, temperature, top-k, top-p, min-p."""
 
 from __future__ import annotations
 
@@ -46,6 +46,10 @@ class Sampler:
         if self.config.top_p < 1.0:
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             keep = int(np.searchsorted(np.cumsum(probs), self.config.top_p) + 1)
+            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+        if self.config.min_p > 0.0:
+            # probs is sorted, most likely first: the survivors are a prefix.
+            keep = int(np.count_nonzero(probs >= self.config.min_p * probs[0]))
             order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
         return int(order[self._rng.choice(order.shape[0], p=probs)])
 

@@ -13,6 +13,13 @@ sequences decode, which prefill chunks run) and carried out by ``execute()``:
 Admission is decided at the door, synchronously: a free slot is taken at once, else the request
 waits in a queue of at most ``max_queued``; past that ``Overloaded`` is raised before any work is
 done. Store lookups run on the engine's read threads (the ``Hooks``), never on this thread.
+
+A request with n samples or beams is admitted as one group of rows, all at once or not at all.
+Its leader fetches and prefills; when the prompt is done its K/V is copied into the followers'
+rows (``SlotBank.fork``) and every row picks its first token from the same logits. Samples then
+decode as independent rows. Beams decode in lockstep: after each step ``BeamState.step`` picks
+the kept continuations and their parents, and the rows' K/V are reordered by parent in one gather
+(``SlotBank.reorder``); the hypotheses go out when the search ends.
 """
 
 from __future__ import annotations
@@ -29,7 +36,8 @@ from typing import Protocol
 import numpy as np
 
 from services.engine.generation import FinishReason
-from services.engine.sequence import Phase, Sequence
+from services.engine.logprobs import token_logprobs
+from services.engine.sequence import Phase, Sequence, SequenceGroup
 from services.errors import NumericalError, Overloaded
 from services.runtime.slots import SlotBank
 
@@ -94,6 +102,10 @@ class Hooks(Protocol):
     def prefilled(self, seq: Sequence) -> None:
         """On the scheduler thread, right after the last chunk: copies out blocks to publish."""
 
+    def finished(self, seq: Sequence) -> None:
+        """On the scheduler thread, when a sequence ends by EOS, a stop token or its length, before
+        its slot is freed: copies out the blocks its answer completed, to publish."""
+
     def distrust(self, seq: Sequence) -> bool:
         """On the scheduler thread, when the first token's logits are NaN or infinite: if any K/V
         came from the store, deletes those values, resets ``seq`` to compute its whole prompt and
@@ -108,7 +120,8 @@ class Scheduler:
         self._hooks = hooks
         self._read_pool = read_pool
         self._cond = threading.Condition()
-        self._queue: deque[Sequence] = deque()
+        self._queue: deque[list[Sequence]] = deque()
+        """Groups of rows (one request each) waiting for slots, in arrival order."""
         self._active: list[Sequence] = []
         """Sequences holding a slot, in admission order."""
         self._closed = False
@@ -128,35 +141,38 @@ class Scheduler:
 
     @property
     def queued(self) -> int:
-        return len(self._queue)
+        """Sequences (rows) waiting for a slot."""
+        return sum(len(rows) for rows in self._queue)
 
-    def submit(self, seq: Sequence) -> None:
-        """Admits ``seq`` or raises ``Overloaded`` at once, naming what was full."""
+    def submit(self, rows: list[Sequence]) -> None:
+        """Admits one request's rows (one sequence, or a group) or raises ``Overloaded`` at once,
+        naming what was full. ``len(rows)`` is at most ``max_batch`` (the engine checks)."""
         with self._cond:
             if self._closed:
                 raise Overloaded("the worker is shutting down; retry on another replica")
-            if len(self._active) < self.options.max_batch and not self._queue:
-                self._start(seq)
-            elif len(self._queue) < self.options.max_queued:
-                self._queue.append(seq)
+            if len(self._active) + len(rows) <= self.options.max_batch and not self._queue:
+                self._start(rows)
+            elif self.queued + len(rows) <= self.options.max_queued:
+                self._queue.append(rows)
             else:
                 self.stats.rejected += 1
                 raise Overloaded(
                     f"the worker is full: {len(self._active)} running (--max-batch "
-                    f"{self.options.max_batch}) and {len(self._queue)} queued (--max-queued "
+                    f"{self.options.max_batch}) and {self.queued} queued (--max-queued "
                     f"{self.options.max_queued}); retry later or on another replica")
             self.stats.admitted += 1
 
-    def abort(self, seq: Sequence) -> None:
-        """The consumer is gone: free the sequence's slot at the next step (consumer side)."""
+    def abort(self, rows: list[Sequence]) -> None:
+        """The consumer is gone: free the rows' slots at the next step (consumer side)."""
         with self._cond:
-            if seq.done:
-                return
-            seq.aborted = True
-            if seq.phase is Phase.QUEUED:
-                self._queue.remove(seq)
+            live = [seq for seq in rows if not seq.done]
+            for seq in live:
+                seq.aborted = True
+            if live and live[0].phase is Phase.QUEUED:
+                self._queue.remove(rows)
                 self.stats.aborted += 1
-                self._finish(seq)
+                for seq in live:
+                    self._finish(seq)
             self._cond.notify()
 
     def wake(self) -> None:
@@ -169,17 +185,20 @@ class Scheduler:
             self._closed = True
             self._cond.notify()
         self._thread.join()
-        self._fail_all([*self._active, *self._queue], Overloaded("the worker is shutting down"))
+        self._fail_all([*self._active, *(seq for rows in self._queue for seq in rows)],
+                       Overloaded("the worker is shutting down"))
         self._deliver()
 
     # Everything below runs on the scheduler thread, except _start (under the lock, from submit).
 
-    def _start(self, seq: Sequence) -> None:
-        """Gives ``seq`` a slot and starts its store lookup (lock held)."""
-        seq.slot = self.slots.acquire(len(seq.prompt) + seq.max_new_tokens)
-        seq.phase = Phase.FETCHING
-        self._active.append(seq)
-        self._read_pool.submit(self._fetch, seq)
+    def _start(self, rows: list[Sequence]) -> None:
+        """Gives every row a slot and starts the leader's store lookup (lock held)."""
+        for seq in rows:
+            seq.slot = self.slots.acquire(len(seq.prompt) + seq.max_new_tokens)
+            seq.phase = Phase.WAITING
+            self._active.append(seq)
+        rows[0].phase = Phase.FETCHING
+        self._read_pool.submit(self._fetch, rows[0])
 
     def _fetch(self, seq: Sequence) -> None:
         try:
@@ -205,14 +224,22 @@ class Scheduler:
         seq.phase = Phase.FINISHED
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
-        """Ends ``seq`` with ``exc`` for its consumer (lock held); the caller wakes the consumer."""
+        """Ends ``seq`` with ``exc`` for its consumer (lock held); the caller wakes the consumer.
+        Rows that depend on it end too: followers still waiting for its prompt, and every beam
+        (beams only advance together)."""
         if seq.done:
             return
         self.stats.failed += 1
-        if seq.phase is Phase.QUEUED and seq in self._queue:
-            self._queue.remove(seq)
+        if seq.phase is Phase.QUEUED and seq.rows in self._queue:
+            self._queue.remove(seq.rows)
         self._finish(seq)
         seq.outbox.append(exc)
+        group = seq.group
+        if group is not None:
+            for row in group.rows:
+                if row.phase is Phase.WAITING or group.beams is not None:
+                    self._fail(row, exc)
+                    self._touched[id(row)] = row
 
     def schedule(self) -> StepPlan:
         """Reaps aborted sequences, hands free slots to the queue, and decides the next step (lock held)."""
@@ -227,7 +254,7 @@ class Scheduler:
                 f"stream paused for {self.options.max_paused_s:g} s with {len(seq.outbox)} tokens unread "
                 "(--max-paused-s): the client stopped reading; its slot was given to others"))
             self._touched[id(seq)] = seq
-        while self._queue and len(self._active) < self.options.max_batch:
+        while self._queue and len(self._active) + len(self._queue[0]) <= self.options.max_batch:
             self._start(self._queue.popleft())
         plan = StepPlan()
         budget = self.options.max_prefill_tokens_per_step
@@ -258,13 +285,30 @@ class Scheduler:
         for seq, n in plan.prefill:
             try:
                 logits = self._prefill(seq, n)
+                if logits is not None and not np.isfinite(logits).all():
+                    self._non_finite(seq)
+                elif logits is not None:
+                    rows = self._fork(seq)
+                    self._sample(rows, np.broadcast_to(logits, (len(rows), logits.shape[-1])))
             except Exception as exc:  # noqa: BLE001
                 log.exception("prefill failed for request %s", seq.request_id)
                 self._fail_all([seq], exc)
-            else:
-                if logits is not None:
-                    self._sample([seq], logits[None])
             self._deliver()
+
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """The rows that pick a token from the logits ending ``seq``'s prompt: ``seq``, and for a
+        group's leader every follower, which gets a copy of the prompt's K/V first."""
+        group = seq.group
+        if group is None:
+            return [seq]
+        followers = [row for row in group.rows[1:] if row.phase is Phase.WAITING]
+        self.slots.fork(seq.slot, [row.slot for row in followers])
+        for row in followers:
+            row.prefilled, row.assembled = seq.prefilled, True
+            row.usage.cached_prompt_tokens = seq.usage.cached_prompt_tokens
+            row.usage.encoder_cache_hit = seq.usage.encoder_cache_hit
+            row.timings.cache_fetch_ms, row.timings.prefill_ms = seq.timings.cache_fetch_ms, seq.timings.prefill_ms
+        return [seq, *followers]
 
     def _prefill(self, seq: Sequence, n: int) -> np.ndarray | None:
         """Runs the next ``n`` prompt tokens of ``seq``; the logits once the prompt is done, else None."""
@@ -273,7 +317,16 @@ class Scheduler:
             self._hooks.begin(seq)
             seq.assembled = True
         start = seq.prefilled
-        logits = self.slots.prefill(seq.slot, seq.prompt[start : start + n])
+        chunk = seq.prompt[start : start + n]
+        if seq.prompt_logprobs is None:
+            logits = self.slots.prefill(seq.slot, chunk)
+        else:
+            positions = self.slots.prefill(seq.slot, chunk, all_positions=True)
+            # Position j predicts prompt token start + j + 1; the prompt's last position predicts
+            # the first generated token instead.
+            predicted = seq.prompt[start + 1 : start + n + 1]
+            seq.prompt_logprobs += token_logprobs(positions[: len(predicted)], predicted, seq.top_logprobs)
+            logits = positions[-1]
         seq.prefilled += n
         self.stats.prefill_runs += 1
         self.stats.prefill_tokens += n
@@ -285,28 +338,72 @@ class Scheduler:
         return logits
 
     def _sample(self, seqs: list[Sequence], logits: np.ndarray) -> None:
-        """Picks each row's token (greedy rows in one vectorised arg-max) and sends it out. A row
-        whose logits are not all finite picks nothing (see ``_non_finite``); a row whose sampler
-        fails fails alone: the batch goes on."""
+        """Picks each row's token (plain greedy rows in one vectorised arg-max; beams by their
+        group's search) and sends it out. A row whose logits are not all finite picks nothing (see
+        ``_non_finite``); a row whose sampler fails fails alone: the batch goes on."""
         finite = np.isfinite(logits).all(axis=1)
         tokens = np.empty(len(seqs), dtype=np.int64)
-        greedy = [i for i, s in enumerate(seqs) if s.sampler.config.greedy]
+        greedy = [i for i, s in enumerate(seqs) if s.sampler.config.greedy and s.adjust is None]
         if greedy:
             tokens[greedy] = np.argmax(logits[greedy], axis=1)
+        searches: dict[int, tuple[SequenceGroup, list[int]]] = {}
         for i, seq in enumerate(seqs):
+            if seq.group is not None and seq.group.beams is not None:
+                searches.setdefault(id(seq.group), (seq.group, []))[1].append(i)
+                continue
             if not finite[i]:
                 self._non_finite(seq)
                 continue
-            if not seq.sampler.config.greedy:
+            if seq.adjust is not None or not seq.sampler.config.greedy:
+                scores = seq.adjust(logits[i]) if seq.adjust is not None else logits[i]
                 try:
-                    tokens[i] = seq.sampler(logits[i])
+                    tokens[i] = np.argmax(scores) if seq.sampler.config.greedy else seq.sampler(scores)
                 except Exception as exc:  # noqa: BLE001 - one row's failure must not end the others
                     log.exception("sampling failed for request %s", seq.request_id)
                     self._fail_all([seq], exc)
                     continue
-            if seq.return_logits:
-                seq.logits.append(logits[i].copy())
-            self._emit(seq, int(tokens[i]))
+            self._emit(seq, int(tokens[i]), logits[i])
+        for group, rows in searches.values():
+            self._beam_step(group, logits[rows], bool(finite[rows].all()))
+
+    def _beam_step(self, group: SequenceGroup, logits: np.ndarray, finite: bool) -> None:
+        """One step of a beam search over its rows' logits ``[num_beams, vocab]`` (rows in group
+        order): keeps the best continuations, reorders the rows' K/V by parent, and when the
+        search is done sends the best hypotheses out on the first ``group.outputs`` rows."""
+        rows, state = group.rows, group.beams
+        if not finite:
+            self._fail_all(rows, NumericalError(
+                f"the model produced NaN or infinite logits at beam search step {rows[0].generated + 1}"))
+            return
+        adjusted = np.stack([r.adjust(logits[i]) for i, r in enumerate(rows)]) if rows[0].adjust else logits
+        parents, tokens = state.step(adjusted)
+        self.slots.reorder([r.slot for r in rows], parents)
+        if rows[0].adjust is not None:
+            adjusters = [rows[p].adjust.fork() for p in parents]
+            for row, adjuster in zip(rows, adjusters, strict=True):
+                row.adjust = adjuster
+        now = time.perf_counter()
+        for row, token in zip(rows, tokens, strict=True):
+            row.generated += 1
+            row.next_token = int(token)
+            row.phase = Phase.DECODING
+            if row.adjust is not None:
+                row.adjust.observe(int(token))
+        if not state.done and rows[0].generated < rows[0].max_new_tokens:
+            return
+        for row, hypothesis in zip(rows[: group.outputs], state.finalize(), strict=False):
+            row.timings.time_to_first_token_ms = (now - row.t0) * 1e3
+            row.beam_score = hypothesis.score
+            stop = hypothesis.stop_token
+            last = FinishReason.LENGTH if stop is None else FinishReason.EOS if stop in row.eos_ids else FinishReason.STOP
+            for k, token in enumerate(hypothesis.tokens):
+                row.outbox.append((token, last if k == len(hypothesis.tokens) - 1 else None, None))
+            row.tokens = hypothesis.tokens
+            self._touched[id(row)] = row
+        with self._cond:
+            self.stats.finished += 1
+            for row in rows:
+                self._finish(row)
 
     def _non_finite(self, seq: Sequence) -> None:
         """NaN or infinite logits. At the first token over K/V from the store, that K/V is the
@@ -319,24 +416,35 @@ class Scheduler:
             f"the model produced NaN or infinite logits at generated token {seq.generated + 1}; "
             "nothing was sent from them"))
 
-    def _emit(self, seq: Sequence, token: int) -> None:
+    def _emit(self, seq: Sequence, token: int, logits: np.ndarray) -> None:
+        """Sends ``token`` (picked from the raw ``logits``) to the consumer, and ends the sequence
+        on a stop token or its length."""
         seq.generated += 1
+        seq.tokens.append(token)
         now = time.perf_counter()
         seq.token_times.append(now)
         if seq.generated == 1:
             seq.timings.time_to_first_token_ms = (now - seq.t0) * 1e3
+        if seq.return_logits:
+            seq.logits.append(logits.copy())
+        if seq.adjust is not None:
+            seq.adjust.observe(token)
         reason = None
-        if token in seq.stop_token_ids:
+        if token in seq.eos_ids:
             reason = FinishReason.EOS
+        elif token in seq.stop_ids:
+            reason = FinishReason.STOP
         elif seq.generated >= seq.max_new_tokens:
             reason = FinishReason.LENGTH
-        seq.outbox.append((token, reason))
+        logprob = token_logprobs(logits[None], [token], seq.top_logprobs)[0] if seq.logprobs else None
+        seq.outbox.append((token, reason, logprob))
         self._touched[id(seq)] = seq
         if reason is None:
             seq.next_token = token
             seq.phase = Phase.DECODING
             self._set_paused(seq, self._unread_full(seq))
             return
+        self._hooks.finished(seq)
         with self._cond:
             self.stats.finished += 1
             self._finish(seq)
@@ -371,7 +479,7 @@ class Scheduler:
             or (s.phase is Phase.DECODING and not self._unread_full(s))
             or (s.paused and self._paused_too_long(s))
             for s in self._active
-        ) or (bool(self._queue) and len(self._active) < self.options.max_batch)
+        ) or (bool(self._queue) and len(self._active) + len(self._queue[0]) <= self.options.max_batch)
 
     def _idle_timeout(self) -> float | None:
         """Seconds until the earliest paused sequence runs out of patience (None: nobody paused)."""

@@ -1,7 +1,9 @@
 """One request's life inside a worker, as data: its phase, its slot, and the tokens on their way out.
 
 A sequence moves ``QUEUED → FETCHING → PREFILLING → DECODING → FINISHED`` (any phase can jump to
-FINISHED when its consumer goes away). The scheduler thread owns every field except the ones the
+FINISHED when its consumer goes away). The rows of a request with several samples or beams form a
+``SequenceGroup``: its leader alone fetches and prefills; the others go ``QUEUED → WAITING`` and
+receive a copy of the leader's K/V when its prompt is done, then decode as rows of their own. The scheduler thread owns every field except the ones the
 consumer (the request's coroutine on the event loop) touches: it drains ``outbox`` and sets
 ``aborted`` through the scheduler.
 """
@@ -17,7 +19,15 @@ import numpy as np
 
 from cachestore.keys import BlockHash, Namespace
 from cachestore.prefix import PrefixLookup
-from services.engine.generation import CacheControl, FinishReason, Timings, Usage
+from services.engine.beam_search import BeamState
+from services.engine.generation import (
+    CacheControl,
+    FinishReason,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+from services.engine.penalties import LogitsAdjuster
 from services.engine.sampling import Sampler
 from services.runtime.slots import Slot
 
@@ -29,15 +39,28 @@ class Phase(Enum):
     """Holds a slot; its store lookup runs on a read thread."""
     PREFILLING = "prefilling"
     """Its uncached prompt runs on its own row, in chunks under the per-step token budget."""
+    WAITING = "waiting"
+    """A follower of a group: holds a slot, waits for its leader's prompt to be copied in."""
     DECODING = "decoding"
     """Advances one token per step in the shared decode batch."""
     FINISHED = "finished"
     """Done, cancelled or failed; its slot is free again."""
 
 
-OutItem = tuple[int, FinishReason | None] | BaseException
-"""What the consumer drains: a token with the reason it ended the sequence (None: more follow), or
-the error that ended it."""
+OutItem = tuple[int, FinishReason | None, TokenLogprob | None] | BaseException
+"""What the consumer drains: a token with the reason it ended the sequence (None: more follow) and
+its log-probability when asked for, or the error that ended it."""
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """The rows of one request with n samples or beams; ``rows[0]`` is the leader."""
+
+    rows: list[Sequence]
+    beams: BeamState | None = None
+    outputs: int = 1
+    """Rows whose output reaches the client: every sample, or the first n beams (which carry the
+    n best hypotheses at the end)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -46,8 +69,10 @@ class Sequence:
     prompt: list[int]
     max_new_tokens: int
     sampler: Sampler
-    stop_token_ids: frozenset[int]
-    """Token ids that end the sequence (the model's EOS ids unless the request ignores EOS)."""
+    eos_ids: frozenset[int]
+    """The model's EOS ids (empty when the request ignores EOS): they end the sequence with EOS."""
+    stop_ids: frozenset[int]
+    """The request's stop token ids: they end the sequence with STOP."""
     namespace: Namespace
     cache: CacheControl
     t0: float
@@ -57,6 +82,18 @@ class Sequence:
     encoder_hash: BlockHash | None = None
     return_logits: bool = False
     """Keep each sampled position's logits (float32 ``[vocab]``) in ``logits``; for checks."""
+    adjust: LogitsAdjuster | None = None
+    """Penalties and the min_new_tokens stop mask (None: the raw logits are sampled)."""
+    logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """Filled while the prompt runs when the request asked for prompt log-probabilities."""
+    group: SequenceGroup | None = None
+    index: int = 0
+    """The row's place in its group (the sample's index)."""
+    tokens: list[int] = field(default_factory=list)
+    """Tokens generated so far."""
+    beam_score: float | None = None
     phase: Phase = Phase.QUEUED
     slot: Slot | None = None
     lookup: PrefixLookup | None = None
@@ -86,6 +123,11 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.phase is Phase.FINISHED
+
+    @property
+    def rows(self) -> list[Sequence]:
+        """The sequences of this request: its group's rows, or itself."""
+        return self.group.rows if self.group is not None else [self]
 
     def drain(self) -> list[OutItem]:
         """Everything queued for the consumer so far (consumer side)."""

@@ -28,6 +28,8 @@ class Scan:
     """Where the earliest-starting stop string that ends inside the scanned text begins, as an
     offset into that text; negative when it began in earlier text (at most the held characters
     back). None when no stop string ends inside it."""
+    length: int = 0
+    """The length of that stop string (0 when there is none)."""
 
 
 class StopMatcher:
@@ -71,6 +73,7 @@ class StopMatcher:
         """Runs ``text`` from ``state``; O(len(text)) amortised, independent of the stop count."""
         goto, fail, match = self._goto, self._fail, self._match
         first: int | None = None
+        length = 0
         for i, char in enumerate(text):
             while state != ROOT and char not in goto[state]:
                 state = fail[state]
@@ -78,5 +81,5 @@ class StopMatcher:
             if match[state]:
                 start = i + 1 - match[state]
                 if first is None or start < first:
-                    first = start
-        return Scan(state, first)
+                    first, length = start, match[state]
+        return Scan(state, first, length)

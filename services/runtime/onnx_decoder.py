@@ -236,9 +236,11 @@ class DecoderSession:
                 cache.step_logits = np.empty((1, 1, self.spec.vocab_size), dtype=self.logits_dtype)
         return binding
 
-    def run(self, token_ids: Sequence[int], cache: KVCache, run_options: ort.RunOptions | None = None) -> tuple[np.ndarray, KVCache]:
-        """Runs ``token_ids`` after ``cache``; returns the last position's logits ``[vocab]`` (float32)
-        and the cache extended by those tokens. With a shared buffer the returned cache is the same
+    def run(self, token_ids: Sequence[int], cache: KVCache, run_options: ort.RunOptions | None = None,
+            all_positions: bool = False) -> tuple[np.ndarray, KVCache]:
+        """Runs ``token_ids`` after ``cache``; returns the last position's logits ``[vocab]`` (float32;
+        with ``all_positions``, every new position's ``[n, vocab]``, which needs
+        ``logits_per_position``) and the cache extended by those tokens. With a shared buffer the returned cache is the same
         buffer written in place (tokens before ``cache.length`` are never touched); without, a new
         one, and ``cache`` is left as it was."""
         n = len(token_ids)
@@ -261,10 +263,22 @@ class DecoderSession:
         self._session.run_with_iobinding(binding, run_options)
         if self.shares_buffer:
             logits = cache.step_logits if one_step else binding.get_outputs()[0].numpy()
-            # Some graphs emit logits for every position, others only for the last one.
-            last = logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32)
-            return last, KVCache(cache.values, total, cache.capacity, binding, cache.step_logits, cache.cross)
+            return (self.positions_logits(logits, n, all_positions),
+                    KVCache(cache.values, total, cache.capacity, binding, cache.step_logits, cache.cross))
         outputs = binding.get_outputs()
-        logits = outputs[0].numpy()
-        last = logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32, copy=False)
-        return last, KVCache(values=list(outputs[1:]), length=total, capacity=total, cross=cache.cross)
+        return (self.positions_logits(outputs[0].numpy(), n, all_positions),
+                KVCache(values=list(outputs[1:]), length=total, capacity=total, cross=cache.cross))
+
+    @property
+    def logits_per_position(self) -> bool:
+        """Whether the graph emits logits for every position (rank 3), not only the last one."""
+        return self.logits_rank == 3
+
+    def positions_logits(self, logits: np.ndarray, n: int, all_positions: bool) -> np.ndarray:
+        """The last position's float32 logits ``[vocab]`` of a batch-1 run over ``n`` tokens, or with
+        ``all_positions`` every position's ``[n, vocab]``."""
+        rows = logits.reshape(-1, logits.shape[-1])
+        if not all_positions:
+            return rows[-1].astype(np.float32)
+        assert rows.shape[0] == n, "this graph emits only the last position's logits"
+        return rows.astype(np.float32)

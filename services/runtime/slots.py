@@ -130,9 +130,9 @@ class SharedSlots(_Bank):
             positions = (lengths[:, None] + np.arange(n)[None, :]).astype(session.pos_dtype)
             binding.bind_cpu_input(spec.position_ids_name, positions)
 
-    def prefill(self, slot: Slot, token_ids: Sequence[int]) -> np.ndarray:
+    def prefill(self, slot: Slot, token_ids: Sequence[int], all_positions: bool = False) -> np.ndarray:
         """Runs ``token_ids`` after the slot's tokens (batch 1, on its row); the last position's
-        logits ``[vocab]`` as float32."""
+        logits ``[vocab]`` as float32 (``all_positions``: every position's, ``[n, vocab]``)."""
         n = len(token_ids)
         assert slot.length + n <= slot.capacity, "prefill past the slot's capacity"
         binding = self.session.io_binding()
@@ -142,7 +142,27 @@ class SharedSlots(_Bank):
         self.session.run_binding(binding)
         logits = binding.get_outputs()[0].numpy()
         self._set_length(slot, slot.length + n)
-        return logits.reshape(-1, logits.shape[-1])[-1].astype(np.float32)
+        return self.session.positions_logits(logits, n, all_positions)
+
+    def fork(self, source: Slot, targets: Sequence[Slot]) -> None:
+        """Gives every target a copy of ``source``'s tokens: each row of the shared buffer is one
+        sequence's past, so samples and beams of one prompt each need their own (one copy per
+        layer for all targets)."""
+        n = source.length
+        rows = [t.index for t in targets]
+        self._kv[:, :, rows, :, :n] = self._kv[:, :, source.index : source.index + 1, :, :n]
+        for target in targets:
+            self._set_length(target, n)
+
+    def reorder(self, slots: Sequence[Slot], parents: np.ndarray) -> None:
+        """Beam search: row ``slots[i]`` becomes a copy of row ``slots[parents[i]]`` (all hold the
+        same number of tokens). One gather per layer over every beam, no loop over beams; the
+        gather reads into a new array first, so a row that is both read and overwritten is safe."""
+        if np.array_equal(parents, np.arange(len(slots))):
+            return
+        rows = np.fromiter((s.index for s in slots), dtype=np.int64, count=len(slots))
+        n = slots[0].length
+        self._kv[:, :, rows, :, :n] = self._kv[:, :, rows[parents], :, :n]
 
     def _decode_binding(self, rows: int) -> ort.IOBinding:
         """The binding of rows ``0 .. rows``, K/V and logits bound once and kept."""
@@ -202,10 +222,31 @@ class SequenceSlots(_Bank):
     def canonical(self, slot: Slot, start: int, end: int) -> np.ndarray:
         return self.session.to_canonical(slot.cache, end)[:, :, :, start:end]
 
-    def prefill(self, slot: Slot, token_ids: Sequence[int]) -> np.ndarray:
-        logits, slot.cache = self.session.run(token_ids, slot.cache)
+    def prefill(self, slot: Slot, token_ids: Sequence[int], all_positions: bool = False) -> np.ndarray:
+        logits, slot.cache = self.session.run(token_ids, slot.cache, all_positions=all_positions)
         slot.length = slot.cache.length
         return logits
+
+    def fork(self, source: Slot, targets: Sequence[Slot]) -> None:
+        for target in targets:
+            target.cache = self._copy(source.cache)
+            target.length = source.length
+
+    def reorder(self, slots: Sequence[Slot], parents: np.ndarray) -> None:
+        caches = [slots[p].cache for p in parents]
+        for slot, cache in zip(slots, caches, strict=True):
+            slot.cache = self._copy(cache)
+
+    def _copy(self, cache: KVCache) -> KVCache:
+        """A cache the holder may extend without touching ``cache``. Without a shared buffer every
+        step returns new tensors and leaves the old ones as they were, so rows can share one; with
+        one, steps write in place and each row needs its own copy."""
+        if not self.session.shares_buffer:
+            return cache
+        copy = self.session.cache_from_blocks([self.session.to_canonical(cache, cache.length)], cache.length,
+                                              cache.capacity)
+        copy.cross = cache.cross
+        return copy
 
     def decode(self, slots: Sequence[Slot], tokens: Sequence[int]) -> np.ndarray:
         return np.stack([self.prefill(slot, [token]) for slot, token in zip(slots, tokens, strict=True)])

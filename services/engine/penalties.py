@@ -1,0 +1,64 @@
+"""What a sequence's own tokens do to its next logits: repetition, presence and frequency penalties,
+and the stop tokens masked until ``min_new_tokens`` (the formulas are the proto's SamplingParams).
+
+The state is per sequence and grows one token at a time (``observe``), so a step costs O(vocab)
+vector work however long the sequence is: no pass over the history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from services.engine.sampling import SamplingConfig
+
+
+class LogitsAdjuster:
+    """Adjusts one sequence's raw logits ``[vocab]`` before the sampler sees them."""
+
+    def __init__(self, config: SamplingConfig, prompt: Iterable[int], vocab: int,
+                 stop_ids: Iterable[int], min_new_tokens: int) -> None:
+        self.repetition = config.repetition_penalty
+        self.presence = config.presence_penalty
+        self.frequency = config.frequency_penalty
+        self._stop_ids = np.fromiter(stop_ids, dtype=np.int64)
+        self._min_new_tokens = min_new_tokens
+        self._generated = 0
+        self._seen = np.zeros(vocab, dtype=bool)
+        """Token ids in the prompt or generated so far (the repetition penalty's set)."""
+        self._counts = np.zeros(vocab, dtype=np.float32)
+        """Times each id was generated (the frequency and presence penalties' counts)."""
+        self._seen[np.fromiter(prompt, dtype=np.int64)] = True
+
+    @staticmethod
+    def needed(config: SamplingConfig, min_new_tokens: int) -> bool:
+        """Whether any adjustment is asked for (else the raw logits go to the sampler unchanged)."""
+        return (config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
+                or config.frequency_penalty != 0.0 or min_new_tokens > 0)
+
+    def __call__(self, logits: np.ndarray) -> np.ndarray:
+        """A float32 copy of ``logits`` with the penalties and the stop mask applied."""
+        out = logits.astype(np.float32, copy=True)
+        if self.repetition != 1.0:
+            seen = out[self._seen]
+            out[self._seen] = np.where(seen > 0, seen / self.repetition, seen * self.repetition)
+        if self.frequency or self.presence:
+            out -= self.frequency * self._counts + self.presence * (self._counts > 0)
+        if self._generated < self._min_new_tokens and self._stop_ids.size:
+            out[self._stop_ids] = -np.inf
+        return out
+
+    def observe(self, token: int) -> None:
+        """The token the sequence just generated."""
+        self._generated += 1
+        self._seen[token] = True
+        self._counts[token] += 1
+
+    def fork(self) -> LogitsAdjuster:
+        """An independent copy (a sample or a beam continuing from the same tokens)."""
+        twin = object.__new__(LogitsAdjuster)
+        twin.repetition, twin.presence, twin.frequency = self.repetition, self.presence, self.frequency
+        twin._stop_ids, twin._min_new_tokens, twin._generated = self._stop_ids, self._min_new_tokens, self._generated
+        twin._seen, twin._counts = self._seen.copy(), self._counts.copy()
+        return twin
