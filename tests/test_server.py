@@ -296,6 +296,20 @@ def test_generate_command_takes_the_sampling_and_cache_flags(worker):
     assert refused.returncode == 1 and "INVALID_ARGUMENT: encoder_prompt" in refused.stderr
 
 
+def test_generate_command_prints_samples_beams_and_logprobs(worker):
+    samples = kvshare_generate(worker.target, "--n", "3", "--temperature", "1.0", "--seed", "3", "--ignore-eos",
+                               "--max-new-tokens", "6", "--logprobs", "2", "--repetition-penalty", "1.2", PROMPT)
+    assert samples.returncode == 0, samples.stderr
+    assert samples.stdout.count("--- sample") == 2 and "[2] finish=FINISH_REASON_LENGTH" in samples.stderr
+    token_lines = [line.split() for line in samples.stderr.splitlines() if line.startswith("  ")]
+    assert len(token_lines) == 3 * 6 and all(len(fields) == 2 + 2 for fields in token_lines)
+    beams = kvshare_generate(worker.target, "--num-beams", "3", "--n", "2", "--max-new-tokens", "6", PROMPT)
+    assert beams.returncode == 0, beams.stderr
+    assert "[1] finish=" in beams.stderr and "beam_score=" in beams.stderr
+    refused = kvshare_generate(worker.target, "--num-beams", "2", "--temperature", "0.5", PROMPT)
+    assert refused.returncode == 1 and "INVALID_ARGUMENT: sampling.temperature" in refused.stderr
+
+
 def test_generate_command_calls_an_encoder_decoder_model(encdec_model):
     with WorkerProcess(encdec_model) as w:
         done = kvshare_generate(w.target, "--encoder-prompt", "the document to read", "--max-new-tokens", "5",

@@ -79,8 +79,9 @@ class Completion:
 
     text: str
     token_ids: list[int]
-    last: pb.GenerateResponse
+    last: pb.GenerateResponse | None
     messages: int
+    logprobs: list[pb.TokenLogprob] = field(default_factory=list)
 
 
 def stream(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None,
@@ -90,33 +91,48 @@ def stream(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: 
 
 def complete(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None, echo=None,
              metadata: tuple[tuple[str, str], ...] = ()) -> Completion:
-    """Runs one Generate call to its end; ``echo(text)`` sees each text delta as it arrives."""
-    texts, ids, last, count = [], [], None, 0
+    """Runs one Generate call to its end; ``echo(text)`` sees each text delta as it arrives.
+    The first sample's completion (see ``complete_all`` for every sample)."""
+    return complete_all(stub, request, timeout_s, echo, metadata)[0]
+
+
+def complete_all(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeout_s: float | None = None, echo=None,
+                 metadata: tuple[tuple[str, str], ...] = ()) -> list[Completion]:
+    """Every sample's (or beam hypothesis') completion, by index; ``echo`` sees sample 0's text."""
+    by_index: dict[int, Completion] = {}
     for message in stream(stub, request, timeout_s, metadata):
-        texts.append(message.text)
-        ids.extend(message.token_ids)
-        last, count = message, count + 1
-        if echo is not None and message.text:
+        done = by_index.setdefault(message.index, Completion(text="", token_ids=[], last=None, messages=0))
+        done.text += message.text
+        done.token_ids.extend(message.token_ids)
+        done.logprobs.extend(message.logprobs)
+        done.last, done.messages = message, done.messages + 1
+        if echo is not None and message.text and message.index == 0:
             echo(message.text)
-    return Completion(text="".join(texts), token_ids=ids, last=last, messages=count)
+    return [by_index[i] for i in sorted(by_index)] or [Completion(text="", token_ids=[], last=None, messages=0)]
 
 
 def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
     """The request `kvshare generate` sends for its parsed flags."""
-    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
+    sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, min_p=args.min_p,
+                                 presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     if args.top_p is not None:
         sampling.top_p = args.top_p
     if args.seed is not None:
         sampling.seed = args.seed
+    if args.repetition_penalty is not None:
+        sampling.repetition_penalty = args.repetition_penalty
     return pb.GenerateRequest(
         prompt=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
         ignore_eos=args.ignore_eos, cache=pb.CacheOptions(salt=args.salt),
-        encoder_prompt=args.encoder_prompt or "",
+        encoder_prompt=args.encoder_prompt or "", n=args.n, num_beams=args.num_beams,
+        logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
     )
 
 
 def generate_main(connection: Connection, request: pb.GenerateRequest, timeout_s: float) -> int:
-    """`kvshare generate`: text to stdout as it streams, usage and timings to stderr."""
+    """`kvshare generate`: text to stdout as it streams, usage and timings to stderr. With several
+    samples or beams, sample 0 streams and the others follow, each after a ``--- sample i`` line;
+    with logprobs, one ``id logprob [alternatives]`` line per token goes to stderr."""
     with connection.channel() as channel:
         stub = pb_grpc.GeneratorStub(channel)
         echoed = []
@@ -126,18 +142,26 @@ def generate_main(connection: Connection, request: pb.GenerateRequest, timeout_s
             print(text, end="", flush=True)
 
         try:
-            done = complete(stub, request, timeout_s, echo=echo, metadata=connection.metadata)
+            samples = complete_all(stub, request, timeout_s, echo=echo, metadata=connection.metadata)
         except grpc.RpcError as exc:
             print(f"{chr(10) if echoed else ''}error: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1
     print(flush=True)  # before the stderr line, also when both go to one pipe
-    u, t = done.last.usage, done.last.timings
-    print(
-        f"finish={pb.FinishReason.Name(done.last.finish_reason)} prompt_tokens={u.prompt_tokens} "
-        f"cached_prompt_tokens={u.cached_prompt_tokens} completion_tokens={u.completion_tokens} "
-        f"ttft_ms={t.time_to_first_token_ms:.1f} prefill_ms={t.prefill_ms:.1f} total_ms={t.total_ms:.1f}",
-        file=sys.stderr,
-    )
+    for i, done in enumerate(samples):
+        if i:
+            print(f"--- sample {i}\n{done.text}", flush=True)
+        for entry in done.logprobs:
+            alternatives = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in entry.top)
+            print(f"  {entry.token_id} {entry.logprob:.4f} {alternatives}".rstrip(), file=sys.stderr)
+        u, t = done.last.usage, done.last.timings
+        beam = f" beam_score={done.last.beam_score:.4f}" if request.num_beams > 1 else ""
+        print(
+            f"{f'[{i}] ' if len(samples) > 1 else ''}finish={pb.FinishReason.Name(done.last.finish_reason)} "
+            f"prompt_tokens={u.prompt_tokens} cached_prompt_tokens={u.cached_prompt_tokens} "
+            f"completion_tokens={u.completion_tokens} ttft_ms={t.time_to_first_token_ms:.1f} "
+            f"prefill_ms={t.prefill_ms:.1f} total_ms={t.total_ms:.1f}{beam}",
+            file=sys.stderr, flush=True,
+        )
     return 0
 
 
