@@ -450,9 +450,10 @@ class Engine:
         first, last = len(seq.prompt) // size, seq.slot.length // size
         if last <= first:
             return
-        hashes = block_hashes(seq.namespace, [*seq.prompt, *seq.tokens][: last * size])
+        tokens, namespace = [*seq.prompt, *seq.tokens][: last * size], seq.namespace
         kv = self.slots.canonical(seq.slot, first * size, last * size)
-        self._in_background(lambda: self.prefix.publish(hashes, kv, first, size))
+        # Hashing the whole chain is the write thread's work; only the copy must happen now.
+        self._in_background(lambda: self.prefix.publish(block_hashes(namespace, tokens), kv, first, size))
 
     def prefilled(self, seq: Sequence) -> None:
         """On the scheduler thread, right after the prompt's last chunk: copies the blocks the store
