@@ -1,11 +1,11 @@
 """Beam search as data: the live beams' scores and tokens, the finished hypotheses, and one step.
 
-The semantics are Hugging Face's ``BeamSearchScorer`` (the proto's GenerateRequest.num_beams says
-them in full): each step adds every beam's next-token log-probabilities to its score, considers the
-best ``2 * num_beams`` continuations over all beams in order, turns those ending in a stop token
-(among the first ``num_beams``) into finished hypotheses and keeps the first ``num_beams`` others.
-A hypothesis ranks by ``sum_logprobs / generated_len ** length_penalty``, its ending token not
-counted in ``generated_len``.
+The semantics follow Hugging Face's ``BeamSearchScorer`` (the proto's GenerateRequest.num_beams
+says them in full): each step adds every beam's next-token log-probabilities to its score,
+considers the best ``2 * num_beams`` continuations over all beams in order, turns those ending in a
+stop token (among the first ``num_beams``) into finished hypotheses and keeps the first
+``num_beams`` others. A hypothesis ranks by ``sum_logprobs / generated_len ** length_penalty``, its
+ending token not counted in ``generated_len`` (at least 1).
 
 ``step`` returns, for each kept beam, the row it continues (its parent) and its new token; the
 caller reorders the rows' K/V by ``parents`` (one gather per layer) and feeds the tokens. Knows
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from services.engine.generation import BeamSearch
-from services.engine.logprobs import log_softmax
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,13 +55,13 @@ class BeamState:
     def _normalised(self, sum_logprobs: float, generated: int) -> float:
         return sum_logprobs / max(generated, 1) ** self.options.length_penalty
 
-    def step(self, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``logits`` ``[num_beams, vocab]`` (after penalties) of every live beam's next position.
-        Returns ``(parents, tokens)``, one per beam kept (``num_beams`` of them); sets ``done``
-        when no live beam can improve the finished hypotheses."""
+    def step(self, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``logprobs`` ``[num_beams, vocab]``: every live beam's next-token log-probabilities,
+        penalties applied. Returns ``(parents, tokens)``, one per beam kept (``num_beams`` of them);
+        sets ``done`` when no live beam can improve the finished hypotheses."""
         beams = self.options.num_beams
-        vocab = logits.shape[-1]
-        total = log_softmax(logits) + self.scores[:, None]
+        vocab = logprobs.shape[-1]
+        total = logprobs + self.scores[:, None]
         flat = total.ravel()
         k = min(2 * beams, flat.size)
         pool = np.argpartition(-flat, k - 1)[:k]

@@ -38,8 +38,9 @@ class LogitsAdjuster:
                 or config.frequency_penalty != 0.0 or min_new_tokens > 0)
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
-        """A float32 copy of ``logits`` with the penalties and the stop mask applied."""
-        out = logits.astype(np.float32, copy=True)
+        """A copy of ``logits`` (or beam search's log-probabilities) with the penalties and the stop
+        mask applied; float32 logits stay float32."""
+        out = logits.copy()
         if self.repetition != 1.0:
             seen = out[self._seen]
             out[self._seen] = np.where(seen > 0, seen / self.repetition, seen * self.repetition)

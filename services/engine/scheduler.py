@@ -36,7 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from services.engine.generation import FinishReason
-from services.engine.logprobs import token_logprobs
+from services.engine.logprobs import log_softmax, token_logprobs
 from services.engine.sequence import Phase, Sequence, SequenceGroup
 from services.errors import NumericalError, Overloaded
 from services.runtime.slots import SlotBank
@@ -375,8 +375,11 @@ class Scheduler:
             self._fail_all(rows, NumericalError(
                 f"the model produced NaN or infinite logits at beam search step {rows[0].generated + 1}"))
             return
-        adjusted = np.stack([r.adjust(logits[i]) for i, r in enumerate(rows)]) if rows[0].adjust else logits
-        parents, tokens = state.step(adjusted)
+        # Penalties act on the log-probabilities here, as Hugging Face's processors do in beam search.
+        logprobs = log_softmax(logits)
+        if rows[0].adjust is not None:
+            logprobs = np.stack([r.adjust(logprobs[i]) for i, r in enumerate(rows)])
+        parents, tokens = state.step(logprobs)
         self.slots.reorder([r.slot for r in rows], parents)
         if rows[0].adjust is not None:
             adjusters = [rows[p].adjust.fork() for p in parents]
