@@ -225,8 +225,8 @@ class Scheduler:
 
     def _fail(self, seq: Sequence, exc: BaseException) -> None:
         """Ends ``seq`` with ``exc`` for its consumer (lock held); the caller wakes the consumer.
-        Rows that depend on it end too: followers still waiting for its prompt, and every beam
-        (beams only advance together)."""
+        Rows that depend on it end too: followers still queued or waiting for its prompt, and every
+        beam (beams only advance together)."""
         if seq.done:
             return
         self.stats.failed += 1
@@ -237,7 +237,7 @@ class Scheduler:
         group = seq.group
         if group is not None:
             for row in group.rows:
-                if row.phase is Phase.WAITING or group.beams is not None:
+                if row.phase in (Phase.QUEUED, Phase.WAITING) or group.beams is not None:
                     self._fail(row, exc)
                     self._touched[id(row)] = row
 
