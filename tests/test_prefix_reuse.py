@@ -14,7 +14,12 @@ from cachestore.memory import MemoryStore
 from cachestore.prefix import KVGeometry, PrefixStore
 from cachestore.stats import CacheStats
 from services.engine.engine import Engine, EngineOptions
-from services.engine.generation import CacheControl, GenerationRequest
+from services.engine.generation import (
+    BeamSearch,
+    CacheControl,
+    FinishReason,
+    GenerationRequest,
+)
 from services.runtime.kv_layout import KVLayout
 from services.runtime.model_spec import load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
@@ -210,3 +215,36 @@ def test_keys_turned_into_lists_are_replaced_by_the_next_publish(replicas, redis
         assert generate(a, ids)[1].usage.cached_prompt_tokens == 0
         assert all(client.type(key) == b"string" for key in keys)
     assert generate(b, ids)[1].usage.cached_prompt_tokens == 3 * B
+
+
+def test_answers_are_published_for_the_next_turn(replicas, redis_server):
+    """A finished stream's prompt + answer blocks reach the store, whatever ended it (length, a stop
+    string), so a next turn that sends the answer back hits them on another replica; the last
+    token (never fed) and a beam search's rows are not published."""
+    a, b = replicas
+    ids = prompt(2 * B + 3, seed=9)
+    tokens, last = generate(a, ids, n=2 * B)
+    assert last.finish_reason is FinishReason.LENGTH
+    with redis_server.client() as client:
+        # prompt + answer minus its last token: 4 * B + 2 tokens, 4 full blocks.
+        assert client.dbsize() == 4
+    turn2 = [*ids, *tokens, *prompt(5, seed=10)]
+    assert generate(b, turn2, n=1, skip_write=True)[1].usage.cached_prompt_tokens == 4 * B
+
+    other = [*ids[:-1], *prompt(2 * B + 3, seed=11)]  # 4 * B + 5 tokens: 2 blocks shared with ids, 2 new
+    free = generate(a, other, n=3 * B, skip_write=True)[0]
+    text = a.tokenizer.decode(free)
+    start = len(a.tokenizer.decode(free[: 2 * B]))
+    stop = next(text[i : i + 3] for i in range(start, len(text)) if text.find(text[i : i + 3]) == i)
+    stopped = collect(a, GenerationRequest(prompt_token_ids=other, max_new_tokens=3 * B, ignore_eos=True, stop=[stop]))
+    assert stopped[1].finish_reason is FinishReason.STOP and stopped[1].matched_stop == stop
+    assert len(stopped[0]) > 2 * B
+    with redis_server.client() as client:
+        # At least 4 * B + 5 + 2 * B tokens held: 6 blocks, 2 of them shared with ids.
+        assert client.dbsize() >= 4 + 4, "the answer ended by a stop string was published"
+
+    with redis_server.client() as client:
+        client.flushall()
+    collect(a, GenerationRequest(prompt_token_ids=ids, max_new_tokens=2 * B, ignore_eos=True, beams=BeamSearch(2)))
+    with redis_server.client() as client:
+        assert client.dbsize() == 2, "only the prompt's blocks"

@@ -439,7 +439,7 @@ class Engine:
         seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
 
     def finished(self, seq: Sequence) -> None:
-        """On the scheduler thread, when a sequence ended by EOS, a stop token or its length: the
+        """On the scheduler thread, when a sequence ended by EOS, a stop token or string, or its length: the
         full blocks of prompt + answer that the prompt's own publish did not cover are copied out
         and published, so a chat's next turn (which sends this answer back) finds them on any
         replica. The last token's K/V was never computed (it was not fed), so the blocks stop
@@ -593,7 +593,8 @@ class Engine:
                     if chunk.finish_reason is not None:
                         finish = chunk.finish_reason
                         open_rows.remove(seq)
-                        self.scheduler.abort([seq])  # a stop string ends it here, not in the scheduler
+                        # A stop string ends it here, not in the scheduler (which ended it already otherwise).
+                        self.scheduler.abort([seq], stopped=finish is FinishReason.STOP)
                     yield chunk
         finally:
             # Reached on completion, on an error, and when the consumer is cancelled or goes away.

@@ -162,12 +162,13 @@ class Scheduler:
                     f"{self.options.max_queued}); retry later or on another replica")
             self.stats.admitted += 1
 
-    def abort(self, rows: list[Sequence]) -> None:
-        """The consumer is gone: free the rows' slots at the next step (consumer side)."""
+    def abort(self, rows: list[Sequence], stopped: bool = False) -> None:
+        """The consumer is gone (or, ``stopped``, found a stop string): free the rows' slots at the
+        next step (consumer side)."""
         with self._cond:
             live = [seq for seq in rows if not seq.done]
             for seq in live:
-                seq.aborted = True
+                seq.aborted, seq.stopped = True, stopped
             if live and live[0].phase is Phase.QUEUED:
                 self._queue.remove(rows)
                 self.stats.aborted += 1
@@ -244,7 +245,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Reaps aborted sequences, hands free slots to the queue, and decides the next step (lock held)."""
         for seq in [s for s in self._active if s.aborted]:
-            self.stats.aborted += 1
+            if seq.stopped:
+                self._hooks.finished(seq)
+                self.stats.finished += 1
+            else:
+                self.stats.aborted += 1
             self._finish(seq)
         for seq in self._active:
             if seq.phase is Phase.DECODING:  # a client may have read since the sequence paused

@@ -107,6 +107,9 @@ class Sequence:
     """The last sampled token, fed at the next decode step."""
     generated: int = 0
     aborted: bool = False
+    stopped: bool = False
+    """Set with ``aborted`` when the consumer ended the sequence at a stop string: it finished
+    normally, so its answer is published when its slot is freed."""
     paused: bool = False
     """Skipped by decode steps because the consumer has ``max_unread_tokens`` tokens still to read."""
     paused_since: float = 0.0
