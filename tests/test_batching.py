@@ -5,6 +5,7 @@ states, never for durations."""
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import grpc
 import numpy as np
@@ -502,3 +503,44 @@ def test_a_block_not_below_the_context_is_said_at_start(tiny_model, caplog):
     context = load_model_spec(tiny_model).context_length
     make_engine(tiny_model, block_size=context).close()
     assert f"is not below the model's context of {context} tokens" in caplog.text
+
+
+def test_a_group_waiting_for_slots_lets_smaller_requests_use_the_free_ones(tiny_model):
+    """--max-batch 3: a stream whose client does not read holds one slot; a request for 3 samples
+    waits for it. A one-row request behind the group starts in a free slot at once (up to
+    max_batch of them may pass a waiting group; then it blocks the queue so it cannot starve)."""
+    engine = make_engine(tiny_model, max_batch=3, max_unread_tokens=2, max_paused_s=3600)
+
+    async def scenario():
+        holder = engine.generate(request(prompt(12, 1), n=300))
+        await holder.__anext__()
+        group = asyncio.ensure_future(run_stream(engine, replace(request(prompt(12, 2), n=4), n=3)))
+        await wait_for(lambda: engine.scheduler.queued == 3, "the group to queue")
+        passed = [await run_stream(engine, request(prompt(12, 10 + i), n=4)) for i in range(3)]
+        assert engine.scheduler.queued == 3, "the group still waits for the held slot"
+        blocked = asyncio.ensure_future(run_stream(engine, request(prompt(12, 20), n=4)))
+        await wait_for(lambda: engine.scheduler.queued == 4, "the fourth request to wait behind the group")
+        await holder.aclose()  # frees the held slot: the group, then the request behind it, run
+        return passed, await group, await blocked
+
+    passed, (group_tokens, _, _), (blocked_tokens, _, _) = asyncio.run(scenario())
+    assert [len(tokens) for tokens, _, _ in passed] == [4, 4, 4]
+    assert len(group_tokens) == 3 * 4 and len(blocked_tokens) == 4
+    engine.close()
+
+
+def test_publishes_beyond_the_pending_bytes_are_dropped_uncopied(tiny_model):
+    """While one publish waits on the store, another that would take the waiting bytes past
+    max_pending_publish_bytes is dropped (counted) before its K/V is copied."""
+    store = GatedStore(gate_writes=True)
+    engine = Engine.load(tiny_model, EngineOptions(block_size=B, max_pending_publish_bytes=1), store, CacheStats(), "cpu", 2)
+    ids = [prompt(4 * B + 1, 31), prompt(4 * B + 1, 32)]
+    asyncio.run(run_stream(engine, request(ids[0], n=2)))
+    assert store.writes_waiting == 1
+    asyncio.run(run_stream(engine, request(ids[1], n=2)))
+    assert engine.cache_stats.snapshot()["publishes_dropped"] == 1 and store.writes_waiting == 1
+    store.writes.set()
+    asyncio.run(engine.wait_for_publishes())
+    hits = [engine.prefix.lookup(engine.namespace(""), p).hit_blocks for p in ids]
+    assert hits == [4, 0], "the first prompt's blocks were published, the second's dropped"
+    engine.close()

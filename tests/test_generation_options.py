@@ -239,6 +239,21 @@ def test_prompt_logprobs_compute_the_whole_prompt_even_when_cached(tiny_model, r
         check_position(ref, ids + s.tokens[:i], entry, token, 4)
 
 
+def test_long_prompt_logprobs_come_in_pieces_ahead_of_the_first_token(engine, ref):
+    """A long prompt's log-probabilities are spread over messages of at most 64 entries (no message
+    grows with the prompt); the ones before the first token carry no tokens; across prefill chunks
+    (the step budget is 256 tokens) every position is still there, in order."""
+    ids = prompt(8, n=300)
+    s = one(engine, GenerationRequest(prompt_token_ids=ids, max_new_tokens=2, ignore_eos=True,
+                                      prompt_logprobs=True, top_logprobs=2))
+    pieces = [c.prompt_logprobs for c in s.chunks if c.prompt_logprobs]
+    assert [len(p) for p in pieces] == [64, 64, 64, 64, 43]
+    assert all(not c.token_ids for c in s.chunks[:4]) and s.chunks[4].token_ids
+    entries = [e for p in pieces for e in p]
+    for j in (0, 1, 200, 255, 256, 257, 298):
+        check_position(ref, ids[: j + 1], entries[j], ids[j + 1], 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # Penalties and min_p
 
@@ -409,6 +424,10 @@ def test_eos_and_length_name_no_matched_stop(engine, ref):
     assert eos.last.finish_reason is FinishReason.EOS and eos.last.matched_stop is None
     length = one(engine, GenerationRequest(prompt_token_ids=prompt(1), max_new_tokens=3))
     assert length.last.finish_reason is FinishReason.LENGTH and length.last.matched_stop is None
+    # The EOS id named as a stop token id: the request's own stop, reported as such.
+    named = one(engine, GenerationRequest(prompt_token_ids=ids, max_new_tokens=12, stop_token_ids=[eos.tokens[-1]]))
+    assert named.tokens == eos.tokens
+    assert named.last.finish_reason is FinishReason.STOP and named.last.matched_stop == eos.tokens[-1]
 
 
 @pytest.mark.parametrize("include", [False, True])
@@ -501,10 +520,6 @@ def test_n_samples_carry_their_own_logprobs(engine, ref):
 # Beam search
 
 
-class ZeroLengthHypothesis(Exception):
-    """An ending token chosen as the first generated token: the proto's score divides by 0 ** lp."""
-
-
 @dataclass
 class Hypothesis:
     score: float
@@ -528,9 +543,7 @@ def reference_beam_search(ref: Reference, ids: list[int], num_beams: int, max_ne
 
     def add(tokens: list[int], sum_logprobs: float, generated: int, ending: int | None) -> Hypothesis | None:
         nonlocal worst
-        if generated == 0:
-            raise ZeroLengthHypothesis
-        score = sum_logprobs / generated ** length_penalty
+        score = sum_logprobs / max(generated, 1) ** length_penalty  # the proto: L is at least 1
         if len(finished) < k or score > worst:
             added = Hypothesis(score, tokens, ending)
             finished.append(added)
@@ -542,6 +555,7 @@ def reference_beam_search(ref: Reference, ids: list[int], num_beams: int, max_ne
             return added
         return None
 
+    width = max(2, 1 + len(ends)) * k  # candidates considered per step
     done = False
     for step in range(max_new):
         candidates = []
@@ -549,11 +563,11 @@ def reference_beam_search(ref: Reference, ids: list[int], num_beams: int, max_ne
             logprobs = ref.logprobs(ids + tokens).copy()
             seen = sorted(set(ids + tokens))
             logprobs[seen] = np.where(logprobs[seen] > 0, logprobs[seen] / repetition, logprobs[seen] * repetition)
-            candidates += [(score + logprobs[t], b, int(t)) for t in np.argsort(-logprobs)[: 2 * k + 1]]
+            candidates += [(score + logprobs[t], b, int(t)) for t in np.argsort(-logprobs)[: width + 1]]
         candidates.sort(key=lambda c: -c[0])
         kept: list[tuple[float, list[int]]] = []
         last, ending_seen, best_finished = 0, False, None
-        for rank, (score, b, token) in enumerate(candidates[: 2 * k]):
+        for rank, (score, b, token) in enumerate(candidates[:width]):
             last = rank
             tokens = beams[b][1]
             if token in ends:
@@ -576,8 +590,7 @@ def reference_beam_search(ref: Reference, ids: list[int], num_beams: int, max_ne
                 done = True
             else:
                 # The step's best candidate (kept or finished), over the tokens generated before it.
-                assert step > 0  # k hypotheses finished at the first step would have raised above
-                bound = candidates[0][0] / step ** length_penalty
+                bound = candidates[0][0] / max(step, 1) ** length_penalty
                 # When that candidate ended a hypothesis, the bound is that hypothesis' own score:
                 # the search is done exactly when it is the worst, decided by the others' scores.
                 gaps += [abs(h.score - bound) for h in finished if h is not best_finished]
@@ -766,3 +779,43 @@ def test_samples_and_beams_on_a_graph_without_a_shared_buffer(model_dirs, engine
             assert {i: s.tokens for i, s in theirs.items()} == {i: s.tokens for i, s in ours.items()}
     finally:
         combined.close()
+
+
+def test_beam_search_with_more_stop_ids_than_beams_at_the_top(engine, ref):
+    """Every one of the best continuations may be a stop token: the search still keeps num_beams
+    beams (it considers (1 + stop ids) x num_beams candidates) and equals the reference."""
+    ids = prompt(3)
+    stop_ids = [int(t) for t in np.argsort(-ref.logprobs(ids))[:6]]
+    ends = {*ref.eos, *stop_ids}
+    expected, _ = reference_beam_search(ref, ids, 2, 8, 1.0, False, ends)
+    s = one(engine, GenerationRequest(prompt_token_ids=ids, max_new_tokens=8, stop_token_ids=stop_ids, beams=BeamSearch(2)))
+    assert s.tokens == expected[0].tokens and s.last.finish_reason is FinishReason.STOP
+
+
+def test_a_failing_beam_search_fails_alone(engine, ref, monkeypatch):
+    """A beam step that raises ends its own request, never the other rows of the decode step."""
+    from services.engine.beam_search import BeamState
+
+    step = BeamState.step
+
+    def failing(self, logprobs):
+        if self.tokens.shape[1] == 2:
+            raise RuntimeError("a bug in one search")
+        return step(self, logprobs)
+
+    monkeypatch.setattr(BeamState, "step", failing)
+    ids = prompt(6)
+
+    async def both():
+        async def drain(request):
+            return [chunk async for chunk in engine.generate(request)]
+
+        plain = asyncio.ensure_future(drain(GenerationRequest(prompt_token_ids=ids, max_new_tokens=12, ignore_eos=True)))
+        beams = asyncio.ensure_future(drain(GenerationRequest(prompt_token_ids=ids, max_new_tokens=12, ignore_eos=True,
+                                                              beams=BeamSearch(3))))
+        return await asyncio.gather(plain, beams, return_exceptions=True)
+
+    plain, beams = asyncio.run(both())
+    assert isinstance(beams, RuntimeError)
+    assert sum(len(c.token_ids) for c in plain) == 12 and plain[-1].finish_reason is FinishReason.LENGTH
+    assert engine.scheduler.running == 0

@@ -5,7 +5,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import GENAI_FIXTURES, collect, record_margin
+from conftest import GENAI_FIXTURES, collect, record_margin, wait_until
 
 from cachestore.codec import Expected, ValueKind, decode, encode
 from cachestore.factory import StoreOptions, open_store
@@ -239,6 +239,9 @@ def test_answers_are_published_for_the_next_turn(replicas, redis_server):
     stopped = collect(a, GenerationRequest(prompt_token_ids=other, max_new_tokens=3 * B, ignore_eos=True, stop=[stop]))
     assert stopped[1].finish_reason is FinishReason.STOP and stopped[1].matched_stop == stop
     assert len(stopped[0]) > 2 * B
+    # The consumer ended it at the stop string; the scheduler publishes as it frees the slot.
+    wait_until(lambda: a.scheduler.running == 0, what="the stopped sequence to be freed")
+    asyncio.run(a.wait_for_publishes())
     with redis_server.client() as client:
         # At least 4 * B + 5 + 2 * B tokens held: 6 blocks, 2 of them shared with ids.
         assert client.dbsize() >= 4 + 4, "the answer ended by a stop string was published"

@@ -2,7 +2,7 @@
 
 The semantics follow Hugging Face's ``BeamSearchScorer`` (the proto's GenerateRequest.num_beams
 says them in full): each step adds every beam's next-token log-probabilities to its score,
-considers the best ``2 * num_beams`` continuations over all beams in order, turns those ending in a
+considers the best ``max(2, 1 + stop ids) * num_beams`` continuations over all beams in order, turns those ending in a
 stop token (among the first ``num_beams``) into finished hypotheses and keeps the first
 ``num_beams`` others. A hypothesis ranks by ``sum_logprobs / generated_len ** length_penalty``, its
 ending token not counted in ``generated_len`` (at least 1).
@@ -53,7 +53,8 @@ class BeamState:
         self.tokens = np.zeros((beams, 0), dtype=np.int64)
 
     def _normalised(self, sum_logprobs: float, generated: int) -> float:
-        return sum_logprobs / max(generated, 1) ** self.options.length_penalty
+        # numpy's power saturates to inf or 0 where Python's float power raises.
+        return float(sum_logprobs / np.power(float(max(generated, 1)), self.options.length_penalty))
 
     def step(self, logprobs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``logprobs`` ``[num_beams, vocab]``: every live beam's next-token log-probabilities,
@@ -63,7 +64,9 @@ class BeamState:
         vocab = logprobs.shape[-1]
         total = logprobs + self.scores[:, None]
         flat = total.ravel()
-        k = min(2 * beams, flat.size)
+        # Every stop token of every beam may rank among the best: keeping (1 + stop ids) x beams
+        # candidates always leaves num_beams that continue (Hugging Face keeps the same number).
+        k = min(max(2, 1 + len(self.stop_ids)) * beams, flat.size)
         pool = np.argpartition(-flat, k - 1)[:k]
         # Best first; ties go to the lower (beam, token) index, as a stable sort of the flat array would.
         candidates = pool[np.lexsort((pool, -flat[pool]))]

@@ -117,6 +117,8 @@ class EngineOptions:
     """Concurrent publishes."""
     max_pending_publishes: int = 16
     """Publishes waiting for the store beyond this are dropped (counted), bounding memory."""
+    max_pending_publish_bytes: int = 512 * 1024 * 1024
+    """K/V bytes the waiting publishes may hold; beyond, a publish is dropped (counted) uncopied."""
     max_value_bytes: int = 128 * 1024 * 1024
     """Cross-attention values larger than this are not stored (Redis caps a value at 512 MiB)."""
     namespace_secret: bytes = field(default=b"", repr=False)
@@ -134,6 +136,8 @@ class EngineOptions:
 
 MAX_DERIVED_BATCH = 64
 MAX_STOP_TOKEN_IDS = 64
+PROMPT_LOGPROBS_PER_CHUNK = 64
+"""Prompt log-probabilities per chunk: with 20 alternatives each, about 20 KB a message."""
 
 
 def derived_max_batch(kv_bytes_per_token: int, context_length: int, kv_cache_bytes: int) -> int:
@@ -170,6 +174,10 @@ class Engine:
         self.limits = self._limits(options)
         self._publish_lock = threading.Lock()
         self._pending_publishes: set[Future] = set()
+        self._pending_bytes = 0
+        """Bytes the waiting publishes hold (K/V copies, cross K/V)."""
+        self._reserved = 0
+        """Publishes with room reserved, not yet submitted."""
         scheduling = options.scheduler
         if not scheduling.max_batch:
             scheduling = replace(scheduling, max_batch=derived_max_batch(
@@ -333,8 +341,8 @@ class Engine:
             raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
         if not 0.0 <= s.min_p <= 1.0:
             raise InvalidRequest("sampling.min_p", f"must be in [0, 1] (0 = off), got {s.min_p}")
-        if not (math.isfinite(s.repetition_penalty) and s.repetition_penalty > 0.0):
-            raise InvalidRequest("sampling.repetition_penalty", f"must be a finite number > 0 (1 = off), got {s.repetition_penalty}")
+        if not 0.01 <= s.repetition_penalty <= 100.0:  # beyond, logits overflow float32 (1e-38: every one inf)
+            raise InvalidRequest("sampling.repetition_penalty", f"must be in [0.01, 100] (1 = off), got {s.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(s, name) <= 2.0:
                 raise InvalidRequest(f"sampling.{name}", f"must be in [-2, 2] (0 = off), got {getattr(s, name)}")
@@ -364,8 +372,9 @@ class Engine:
         if request.n > beams.num_beams:
             raise InvalidRequest("n", f"returns the n best of num_beams hypotheses: must not exceed num_beams "
                                  f"({beams.num_beams}), got {request.n}")
-        if not math.isfinite(beams.length_penalty):
-            raise InvalidRequest("length_penalty", f"must be a finite number, got {beams.length_penalty}")
+        if not -10.0 <= beams.length_penalty <= 10.0:
+            raise InvalidRequest("length_penalty", f"must be in [-10, 10] (1 = the mean log-probability), "
+                                 f"got {beams.length_penalty}")
         s = request.sampling
         refused = [name for name, used in (
             ("sampling.temperature", not s.greedy), ("sampling.top_k", s.top_k), ("sampling.top_p", s.top_p < 1.0),
@@ -431,7 +440,8 @@ class Engine:
             cross = self.encoder.run(seq.encoder_input).astype(self.session.kv_dtype, copy=False)
             if not seq.cache.skip_write:
                 input_hash = seq.encoder_hash
-                self._in_background(lambda: self.cross.put(input_hash, cross))
+                if self._reserve(cross.nbytes):
+                    self._in_background(lambda: self.cross.put(input_hash, cross), cross.nbytes)
         self.slots.begin(seq.slot, seq.lookup.blocks, seq.prefilled, cross)
         # The fetched values are in the slot now; do not hold them for the whole decode.
         seq.lookup.release()
@@ -451,9 +461,9 @@ class Engine:
         if last <= first:
             return
         tokens, namespace = [*seq.prompt, *seq.tokens][: last * size], seq.namespace
-        kv = self.slots.canonical(seq.slot, first * size, last * size)
         # Hashing the whole chain is the write thread's work; only the copy must happen now.
-        self._in_background(lambda: self.prefix.publish(block_hashes(namespace, tokens), kv, first, size))
+        self._publish_blocks(seq, first, last, lambda kv: self.prefix.publish(block_hashes(namespace, tokens), kv,
+                                                                            first, size))
 
     def prefilled(self, seq: Sequence) -> None:
         """On the scheduler thread, right after the prompt's last chunk: copies the blocks the store
@@ -464,8 +474,17 @@ class Engine:
         if seq.cache.skip_write or len(hashes) <= first:
             return
         size = seq.namespace.block_size
-        kv = self.slots.canonical(seq.slot, first * size, len(hashes) * size)
-        self._in_background(lambda: self.prefix.publish(hashes, kv, first, size))
+        self._publish_blocks(seq, first, len(hashes), lambda kv: self.prefix.publish(hashes, kv, first, size))
+
+    def _publish_blocks(self, seq: Sequence, first: int, last: int, publish: Callable[[np.ndarray], object]) -> None:
+        """Copies blocks ``first .. last`` of the sequence's slot now and hands them to ``publish``
+        on a write thread, unless the pending publishes have no room for them: then nothing is
+        copied (see ``_in_background``)."""
+        size = seq.namespace.block_size
+        nbytes = (last - first) * size * self.spec.kv_bytes_per_token(self.session.kv_dtype.itemsize)
+        if self._reserve(nbytes):
+            kv = self.slots.canonical(seq.slot, first * size, last * size)
+            self._in_background(lambda: publish(kv), nbytes)
 
     def distrust(self, seq: Sequence) -> bool:
         """On the scheduler thread, when the first token's logits are NaN or infinite. Values that
@@ -481,7 +500,8 @@ class Engine:
         self.cache_stats.count("rejected_values", RejectReason.BAD_OUTPUT)
         _distrusted.warning("request %s: NaN or infinite logits over %d values from the store; deleting them and "
                             "computing the prompt again", seq.request_id, len(keys))
-        self._in_background(lambda: self.store.delete(keys))
+        if self._reserve(0):
+            self._in_background(lambda: self.store.delete(keys), 0)
         seq.lookup = PrefixLookup(hashes=seq.lookup.hashes, blocks=[])
         seq.prefilled = seq.usage.cached_prompt_tokens = 0
         seq.usage.encoder_cache_hit = False
@@ -489,21 +509,35 @@ class Engine:
         seq.cache = replace(seq.cache, skip_write=True)
         return True
 
-    def _in_background(self, publish: Callable[[], object]) -> None:
-        """Runs ``publish`` on the write threads; beyond ``max_pending_publishes`` waiting ones it is
-        dropped (counted) instead, so a slow store cannot make publishes pile up in memory."""
+    def _reserve(self, nbytes: int) -> bool:
+        """Room for one more publish holding ``nbytes``: fewer than ``max_pending_publishes`` wait,
+        and their bytes stay within ``max_pending_publish_bytes`` (one publish larger than that
+        still goes when none waits, or a long prompt would never be shared). Otherwise the publish
+        is dropped, counted, before anything is copied for it: a slow store, or answers of
+        thousands of tokens finishing together, cannot make copies pile up in memory."""
         with self._publish_lock:
-            if len(self._pending_publishes) >= self.options.max_pending_publishes:
+            full = len(self._pending_publishes) + self._reserved >= self.options.max_pending_publishes or (
+                self._pending_bytes > 0 and self._pending_bytes + nbytes > self.options.max_pending_publish_bytes)
+            if full:
                 self.cache_stats.add(publishes_dropped=1)
-                return
+                return False
+            self._reserved += 1
+            self._pending_bytes += nbytes
+            return True
+
+    def _in_background(self, publish: Callable[[], object], nbytes: int) -> None:
+        """Runs a publish ``_reserve`` made room for on the write threads."""
+        with self._publish_lock:
+            self._reserved -= 1
             future = self._write_pool.submit(publish)
             self._pending_publishes.add(future)
             self.stats.publishes += 1
-        future.add_done_callback(self._published)
+        future.add_done_callback(lambda done: self._published(done, nbytes))
 
-    def _published(self, future: Future) -> None:
+    def _published(self, future: Future, nbytes: int) -> None:
         with self._publish_lock:
             self._pending_publishes.discard(future)
+            self._pending_bytes -= nbytes
 
     def _rows(self, request: GenerationRequest, prepared: PreparedRequest, t0: float) -> list[Sequence]:
         """The request's sequences: one, or a group of n samples (sample i seeded ``seed + i``) or
@@ -587,6 +621,12 @@ class Engine:
                     items = seq.drain()
                     if not items:
                         continue
+                    if seq.prompt_logprobs and not seq.usage.completion_tokens:
+                        # Thousands of positions x 20 alternatives to decode: not on the loop.
+                        entries = await self._off_loop(lambda e: with_text(e, self.tokenizer), seq.prompt_logprobs)
+                        for start in range(0, len(entries) - PROMPT_LOGPROBS_PER_CHUNK, PROMPT_LOGPROBS_PER_CHUNK):
+                            yield GenerationChunk([], "", index=seq.index,
+                                                  prompt_logprobs=entries[start : start + PROMPT_LOGPROBS_PER_CHUNK])
                     chunk = self._chunk(seq, items, texts[id(seq)], request)
                     if len(items) >= self.scheduler.options.max_unread_tokens:
                         self.scheduler.wake()  # it may have paused this sequence: it can decode again
@@ -664,8 +704,10 @@ class Engine:
                 break
         chunk = GenerationChunk(tokens, delta, logits=logits[: len(tokens)], index=seq.index,
                                 logprobs=with_text(logprobs, self.tokenizer))
-        if sent == 0 and seq.prompt_logprobs is not None:
-            chunk.prompt_logprobs = with_text(seq.prompt_logprobs, self.tokenizer)
+        if sent == 0 and seq.prompt_logprobs:
+            # The last piece (the others went ahead, see generate), texts already filled.
+            count = len(seq.prompt_logprobs)
+            chunk.prompt_logprobs = seq.prompt_logprobs[(count - 1) // PROMPT_LOGPROBS_PER_CHUNK * PROMPT_LOGPROBS_PER_CHUNK :]
         if reason is None:
             return chunk
         if not text.stopped:

@@ -153,8 +153,8 @@ class GenerationChunk:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """With ``GenerationRequest.logprobs``: one per token of ``token_ids``."""
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
-    """With ``GenerationRequest.prompt_logprobs``, on the stream's first chunk (of sample 0): one per
-    prompt token after the first."""
+    """With ``GenerationRequest.prompt_logprobs``, on sample 0's first chunks, at most
+    ``PROMPT_LOGPROBS_PER_CHUNK`` each: together one per prompt token after the first."""
     matched_stop: str | int | None = None
     """With finish reason STOP: the stop string (str) or stop token id (int) that matched."""
     beam_score: float | None = None

@@ -12,7 +12,8 @@ sequences decode, which prefill chunks run) and carried out by ``execute()``:
 
 Admission is decided at the door, synchronously: a free slot is taken at once, else the request
 waits in a queue of at most ``max_queued``; past that ``Overloaded`` is raised before any work is
-done. Store lookups run on the engine's read threads (the ``Hooks``), never on this thread.
+done. The queue is served in order, except that a request needing more rows than are free lets
+up to ``max_batch`` later ones that fit go first (``_admittable``). Store lookups run on the engine's read threads (the ``Hooks``), never on this thread.
 
 A request with n samples or beams is admitted as one group of rows, all at once or not at all.
 Its leader fetches and prefills; when the prompt is done its K/V is copied into the followers'
@@ -154,6 +155,7 @@ class Scheduler:
                 self._start(rows)
             elif self.queued + len(rows) <= self.options.max_queued:
                 self._queue.append(rows)
+                self._admit()
             else:
                 self.stats.rejected += 1
                 raise Overloaded(
@@ -168,7 +170,7 @@ class Scheduler:
         with self._cond:
             live = [seq for seq in rows if not seq.done]
             for seq in live:
-                seq.aborted, seq.stopped = True, stopped
+                seq.aborted, seq.stopped = True, seq.stopped or stopped  # the stream's final abort keeps it
             if live and live[0].phase is Phase.QUEUED:
                 self._queue.remove(rows)
                 self.stats.aborted += 1
@@ -200,6 +202,29 @@ class Scheduler:
             self._active.append(seq)
         rows[0].phase = Phase.FETCHING
         self._read_pool.submit(self._fetch, rows[0])
+
+    def _admittable(self) -> int | None:
+        """Where in the queue the request to start now is: the head, if its rows fit the free
+        slots; else, until the head has let ``max_batch`` requests pass, the first later one that
+        fits. A group of rows waiting for slots that slow streams hold so leaves the free ones
+        serving others, and still cannot be starved (lock held)."""
+        if not self._queue:
+            return None
+        free = self.options.max_batch - len(self._active)
+        if len(self._queue[0]) <= free:
+            return 0
+        if self._queue[0][0].passed_by >= self.options.max_batch:
+            return None
+        return next((i for i in range(1, len(self._queue)) if len(self._queue[i]) <= free), None)
+
+    def _admit(self) -> None:
+        """Starts every request ``_admittable`` allows (lock held)."""
+        while (i := self._admittable()) is not None:
+            rows = self._queue[i]
+            del self._queue[i]
+            if i:
+                self._queue[0][0].passed_by += 1
+            self._start(rows)
 
     def _fetch(self, seq: Sequence) -> None:
         try:
@@ -259,8 +284,7 @@ class Scheduler:
                 f"stream paused for {self.options.max_paused_s:g} s with {len(seq.outbox)} tokens unread "
                 "(--max-paused-s): the client stopped reading; its slot was given to others"))
             self._touched[id(seq)] = seq
-        while self._queue and len(self._active) + len(self._queue[0]) <= self.options.max_batch:
-            self._start(self._queue.popleft())
+        self._admit()
         plan = StepPlan()
         budget = self.options.max_prefill_tokens_per_step
         for seq in self._active:
@@ -369,7 +393,11 @@ class Scheduler:
                     continue
             self._emit(seq, int(tokens[i]), logits[i])
         for group, rows in searches.values():
-            self._beam_step(group, logits[rows], bool(finite[rows].all()))
+            try:
+                self._beam_step(group, logits[rows], bool(finite[rows].all()))
+            except Exception as exc:  # noqa: BLE001 - one search's failure must not end the other rows
+                log.exception("beam search step failed for request %s", group.rows[0].request_id)
+                self._fail_all(group.rows, exc)
 
     def _beam_step(self, group: SequenceGroup, logits: np.ndarray, finite: bool) -> None:
         """One step of a beam search over its rows' logits ``[num_beams, vocab]`` (rows in group
@@ -385,7 +413,8 @@ class Scheduler:
         if rows[0].adjust is not None:
             logprobs = np.stack([r.adjust(logprobs[i]) for i, r in enumerate(rows)])
         parents, tokens = state.step(logprobs)
-        self.slots.reorder([r.slot for r in rows], parents)
+        # Every row holds the same prompt: only the generated tokens differ between beams.
+        self.slots.reorder([r.slot for r in rows], parents, len(rows[0].prompt))
         if rows[0].adjust is not None:
             adjusters = [rows[p].adjust.fork() for p in parents]
             for row, adjuster in zip(rows, adjusters, strict=True):
@@ -403,7 +432,7 @@ class Scheduler:
             row.timings.time_to_first_token_ms = (now - row.t0) * 1e3
             row.beam_score = hypothesis.score
             stop = hypothesis.stop_token
-            last = FinishReason.LENGTH if stop is None else FinishReason.EOS if stop in row.eos_ids else FinishReason.STOP
+            last = FinishReason.LENGTH if stop is None else FinishReason.STOP if stop in row.stop_ids else FinishReason.EOS
             for k, token in enumerate(hypothesis.tokens):
                 row.outbox.append((token, last if k == len(hypothesis.tokens) - 1 else None, None))
             row.tokens = hypothesis.tokens
@@ -438,10 +467,10 @@ class Scheduler:
         if seq.adjust is not None:
             seq.adjust.observe(token)
         reason = None
-        if token in seq.eos_ids:
-            reason = FinishReason.EOS
-        elif token in seq.stop_ids:
+        if token in seq.stop_ids:  # named by the request: reported as such even when it is also EOS
             reason = FinishReason.STOP
+        elif token in seq.eos_ids:
+            reason = FinishReason.EOS
         elif seq.generated >= seq.max_new_tokens:
             reason = FinishReason.LENGTH
         logprob = token_logprobs(logits[None], [token], seq.top_logprobs)[0] if seq.logprobs else None
@@ -487,7 +516,7 @@ class Scheduler:
             or (s.phase is Phase.DECODING and not self._unread_full(s))
             or (s.paused and self._paused_too_long(s))
             for s in self._active
-        ) or (bool(self._queue) and len(self._active) + len(self._queue[0]) <= self.options.max_batch)
+        ) or self._admittable() is not None
 
     def _idle_timeout(self) -> float | None:
         """Seconds until the earliest paused sequence runs out of patience (None: nobody paused)."""

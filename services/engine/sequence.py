@@ -94,6 +94,8 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     """Tokens generated so far."""
     beam_score: float | None = None
+    passed_by: int = 0
+    """Requests admitted ahead of this one while it waited at the head of the queue for slots."""
     phase: Phase = Phase.QUEUED
     slot: Slot | None = None
     lookup: PrefixLookup | None = None

@@ -154,15 +154,18 @@ class SharedSlots(_Bank):
         for target in targets:
             self._set_length(target, n)
 
-    def reorder(self, slots: Sequence[Slot], parents: np.ndarray) -> None:
+    def reorder(self, slots: Sequence[Slot], parents: np.ndarray, shared: int) -> None:
         """Beam search: row ``slots[i]`` becomes a copy of row ``slots[parents[i]]`` (all hold the
-        same number of tokens). One gather per layer over every beam, no loop over beams; the
-        gather reads into a new array first, so a row that is both read and overwritten is safe."""
-        if np.array_equal(parents, np.arange(len(slots))):
+        same number of tokens, the first ``shared`` of them identical in every row: the prompt).
+        One gather per layer over the rows whose parent is another row, and only their tokens past
+        ``shared``, never a loop over beams; the gather reads into a new array first, so a row that
+        is both read and overwritten is safe."""
+        moved = np.flatnonzero(parents != np.arange(len(slots)))
+        if not moved.size:
             return
         rows = np.fromiter((s.index for s in slots), dtype=np.int64, count=len(slots))
         n = slots[0].length
-        self._kv[:, :, rows, :, :n] = self._kv[:, :, rows[parents], :, :n]
+        self._kv[:, :, rows[moved], :, shared:n] = self._kv[:, :, rows[parents[moved]], :, shared:n]
 
     def _decode_binding(self, rows: int) -> ort.IOBinding:
         """The binding of rows ``0 .. rows``, K/V and logits bound once and kept."""
@@ -232,7 +235,7 @@ class SequenceSlots(_Bank):
             target.cache = self._copy(source.cache)
             target.length = source.length
 
-    def reorder(self, slots: Sequence[Slot], parents: np.ndarray) -> None:
+    def reorder(self, slots: Sequence[Slot], parents: np.ndarray, shared: int) -> None:
         caches = [slots[p].cache for p in parents]
         for slot, cache in zip(slots, caches, strict=True):
             slot.cache = self._copy(cache)
