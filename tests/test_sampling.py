@@ -44,16 +44,26 @@ def reference_sample(config: SamplingConfig, logits: np.ndarray, rng: np.random.
     if config.top_p < 1.0:
         keep = int(np.searchsorted(np.cumsum(probs), config.top_p) + 1)
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    if config.min_p > 0.0:
+        keep = int(np.count_nonzero(probs >= config.min_p * probs.max()))
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
     return int(order[rng.choice(order.shape[0], p=probs)])
 
 
 def test_sampler_equals_the_plain_rule_including_ties():
+    """Also past the sampler's sorted head (HEAD candidates): vocabularies of 800 and 5000, flat
+    logits whose draws often land beyond the head, filters that reach past it."""
     rng = np.random.default_rng(9)
     for trial in range(40):
         # Rounded logits make many exact ties, also at the top-k boundary.
-        logits = np.round(rng.standard_normal(800) * 3, 0 if trial % 2 else 3).astype(np.float32)
+        vocab, scale = (800, 3) if trial % 4 < 2 else (5000, 1 + trial % 3)
+        logits = np.round(rng.standard_normal(vocab) * scale, 0 if trial % 2 else 3).astype(np.float32)
         for config in [SamplingConfig(temperature=0.7, seed=trial), SamplingConfig(temperature=1.3, top_k=7, seed=trial),
                        SamplingConfig(temperature=0.9, top_k=50, top_p=0.8, seed=trial),
-                       SamplingConfig(temperature=1.0, top_p=0.5, seed=trial)]:
+                       SamplingConfig(temperature=1.0, top_p=0.5, seed=trial),
+                       SamplingConfig(temperature=2.0, top_p=0.99, seed=trial),
+                       SamplingConfig(temperature=1.0, top_k=3000, seed=trial),
+                       SamplingConfig(temperature=1.0, min_p=0.02, seed=trial),
+                       SamplingConfig(temperature=3.0, min_p=0.001, seed=trial)]:
             sampler, reference_rng = Sampler(config), np.random.default_rng(config.seed)
             assert [sampler(logits) for _ in range(8)] == [reference_sample(config, logits, reference_rng) for _ in range(8)]

@@ -36,43 +36,73 @@ class Sampler:
         self._rng = np.random.default_rng(config.seed)
 
     def __call__(self, logits: np.ndarray) -> int:
-        """``logits``: float array ``[vocab]`` of the position to continue from."""
+        """``logits``: float array ``[vocab]`` of the position to continue from.
+
+        The candidates are ordered by descending logit (ties: lower id first), cut by top_k, top_p
+        and min_p, and one uniform draw picks along their cumulative probabilities. Most of the
+        mass sits in a few hundred tokens, so only the best ``HEAD`` are sorted first; the whole
+        vocabulary is sorted only when the draw or a filter reaches past them (same draw, same
+        token either way). Sorting 49k ids took 2.9 ms a row, most of a batched decode step."""
         if self.config.greedy:
             return int(np.argmax(logits))
-        scaled = logits.astype(np.float64) / self.config.temperature
-        order = self._candidates(logits, scaled)
-        probs = np.exp(scaled[order] - scaled[order[0]])
-        probs /= probs.sum()
+        u = self._rng.random()
+        picked = self._pick(logits, u, HEAD)
+        return picked if picked is not None else self._pick(logits, u, logits.shape[0])
+
+    def _pick(self, logits: np.ndarray, u: float, head: int) -> int | None:
+        """The token ``u`` picks, looking at the best ``head`` candidates; None if it lies beyond."""
+        order, complete = self._candidates(logits, head)
+        top = float(logits[order[0]])
+        weights = np.exp((logits[order].astype(np.float64) - top) / self.config.temperature)
+        if complete:
+            total = weights.sum()
+        else:  # the mass of the whole vocabulary; float32 is exact enough for a draw and 4x faster
+            total = np.exp((logits - np.float32(top)) * np.float32(1 / self.config.temperature)).sum(dtype=np.float64)
+        probs = weights / total
         if self.config.top_p < 1.0:
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             keep = int(np.searchsorted(np.cumsum(probs), self.config.top_p) + 1)
-            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+            if keep > order.shape[0]:
+                return None
+            order, probs, complete = order[:keep], probs[:keep] / probs[:keep].sum(), True
         if self.config.min_p > 0.0:
             # probs is sorted, most likely first: the survivors are a prefix.
             keep = int(np.count_nonzero(probs >= self.config.min_p * probs[0]))
-            order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-        return int(order[self._rng.choice(order.shape[0], p=probs)])
+            if keep == order.shape[0] and not complete:
+                return None
+            order, probs, complete = order[:keep], probs[:keep] / probs[:keep].sum(), True
+        cdf = np.cumsum(probs)
+        if complete:
+            cdf /= cdf[-1]
+        elif u >= cdf[-1]:
+            return None
+        return int(order[min(int(np.searchsorted(cdf, u, side="right")), order.shape[0] - 1)])
 
-    def _candidates(self, logits: np.ndarray, scaled: np.ndarray) -> np.ndarray:
-        """Token ids by descending logit, ties broken by lower id, cut to top_k when set.
+    def _candidates(self, logits: np.ndarray, head: int) -> tuple[np.ndarray, bool]:
+        """Token ids by descending logit, ties broken by lower id, cut to top_k when set; without
+        top_k, only the first ``head`` (or a few more: ties) unless ``head`` covers the vocabulary.
+        Also whether that is every candidate.
 
-        A full stable sort costs ~0.7 ms a row at a vocabulary of 8000, which added up to most of
-        a batched decode step when every row samples. With top_k the vocabulary is first narrowed
-        by a partition and only the candidates are sorted; without, one quicksort over unique
-        integer keys (the float32 logit's order-preserving integer, then the id) gives the same
-        order in ~0.15 ms."""
-        vocab = scaled.shape[0]
+        Both cuts partition by value first (linear) and sort only the ids at or above the cut:
+        every id above it comes before every id below it in the full order, so that prefix is
+        exact. The full order sorts unique integer keys (the float32 logit's order-preserving
+        integer, then the id) in one quicksort, ~0.15 ms at a vocabulary of 8000."""
+        vocab = logits.shape[0]
         k = self.config.top_k if 0 < self.config.top_k < vocab else vocab
-        if k < vocab:
-            kth = np.partition(scaled, vocab - k)[vocab - k]
-            # Everything above the k-th value, then ties at it (lowest ids first) up to k.
-            pool = np.flatnonzero(scaled >= kth)
-            return pool[np.argsort(-scaled[pool], kind="stable")][:k]
+        cut = k if k < vocab else head
+        if cut < vocab:
+            kth = np.partition(logits, vocab - cut)[vocab - cut]
+            pool = np.flatnonzero(logits >= kth)
+            ordered = pool[np.lexsort((pool, -logits[pool]))]
+            # Ties at the k-th value: the lowest ids among them make up k.
+            return (ordered[:k], True) if k < vocab else (ordered, False)
         if logits.dtype == np.float32 and vocab < _ID_SPAN:
-            return np.argsort(_descending_keys(logits))
-        return np.lexsort((np.arange(vocab), -scaled))
+            return np.argsort(_descending_keys(logits)), True
+        return np.lexsort((np.arange(vocab), -logits.astype(np.float64))), True
 
 
+HEAD = 1024
+"""Candidates sorted before the whole vocabulary is (see ``Sampler.__call__``)."""
 _ID_BITS = 20
 _ID_SPAN = 1 << _ID_BITS
 
