@@ -300,9 +300,15 @@ def test_generate_command_prints_samples_beams_and_logprobs(worker):
     samples = kvshare_generate(worker.target, "--n", "3", "--temperature", "1.0", "--seed", "3", "--ignore-eos",
                                "--max-new-tokens", "6", "--logprobs", "2", "--repetition-penalty", "1.2", PROMPT)
     assert samples.returncode == 0, samples.stderr
-    assert samples.stdout.count("--- sample") == 2 and "[2] finish=FINISH_REASON_LENGTH" in samples.stderr
-    token_lines = [line.split() for line in samples.stderr.splitlines() if line.startswith("  ")]
-    assert len(token_lines) == 3 * 6 and all(len(fields) == 2 + 2 for fields in token_lines)
+    assert samples.stdout.count("--- sample") == 3 and "[2] finish=FINISH_REASON_LENGTH" in samples.stderr
+    token_lines = [line for line in samples.stderr.splitlines() if line.startswith("  ")]
+    assert len(token_lines) == 3 * 6 and all(line.count(":") >= 2 * 2 for line in token_lines)
+    greedy = kvshare_generate(worker.target, "--max-new-tokens", "6", "--ignore-eos", "--logprobs", "0", PROMPT)
+    third = [line.split()[0] for line in greedy.stderr.splitlines() if line.startswith("  ")][2]
+    stopped = kvshare_generate(worker.target, "--max-new-tokens", "6", "--ignore-eos", "--stop-token-id", third, PROMPT)
+    assert f"matched_stop_token_id={third}" in stopped.stderr and "completion_tokens=3" in stopped.stderr
+    negative = kvshare_generate(worker.target, "--n", "-1", PROMPT)
+    assert negative.returncode == 2 and "--n: must be 0 or more" in negative.stderr
     beams = kvshare_generate(worker.target, "--num-beams", "3", "--n", "2", "--max-new-tokens", "6", PROMPT)
     assert beams.returncode == 0, beams.stderr
     assert "[1] finish=" in beams.stderr and "beam_score=" in beams.stderr

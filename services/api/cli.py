@@ -116,6 +116,19 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.model, args.max_new_tokens)
 
 
+def count(text: str) -> int:
+    """An argparse type for counts and ids: a whole number >= 0 (the request's unsigned fields)."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def top_k(text: str) -> int:
+    """--top-k: a count, or -1 for no filter as in vLLM (the same as 0)."""
+    return 0 if text.strip() == "-1" else count(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,20 +141,28 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream one completion from a running worker", formatter_class=defaults)
     gen.add_argument("prompt", help="the prompt text (for an encoder-decoder model: the decoder prompt, may be empty)")
     add_connection_flags(gen)
-    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    gen.add_argument("--max-new-tokens", type=count, default=64, help="tokens to generate at most")
+    gen.add_argument("--min-new-tokens", type=count, default=0, help="tokens to generate before EOS and stops may end it")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    gen.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 = all)")
+    gen.add_argument("--top-k", type=top_k, default=0, help="sample from the k likeliest tokens (0 or -1 = all)")
     gen.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this much mass (unset = 1)")
-    gen.add_argument("--seed", type=int, default=None, help="sampling seed: the same seed gives the same tokens (unset = random)")
+    gen.add_argument("--seed", type=count, default=None,
+                     help="sampling seed: the same seed gives the same tokens (unset = random; sample i uses seed + i)")
     gen.add_argument("--min-p", type=float, default=0.0, help="drop tokens below this fraction of the likeliest one's probability")
-    gen.add_argument("--repetition-penalty", type=float, default=None, help="divide the logits of tokens already seen (unset = 1)")
+    gen.add_argument("--repetition-penalty", type=float, default=None,
+                     help="push down tokens of the prompt and output: positive logits divided by it, negative ones "
+                          "multiplied (unset = 1)")
     gen.add_argument("--presence-penalty", type=float, default=0.0, help="subtract from tokens generated at least once")
     gen.add_argument("--frequency-penalty", type=float, default=0.0, help="subtract per time a token was generated")
-    gen.add_argument("--n", type=int, default=1, help="independent samples (sample i uses seed + i)")
-    gen.add_argument("--num-beams", type=int, default=1, help="beam search width (1 = none); prints the --n best")
-    gen.add_argument("--logprobs", type=int, default=None, metavar="TOP",
+    gen.add_argument("--n", type=count, default=1, help="independent samples, at most the worker's batch")
+    gen.add_argument("--num-beams", type=count, default=1, help="beam search width (1 = none); prints the --n best")
+    gen.add_argument("--length-penalty", type=float, default=None, help="beam scores divide by length ** this (unset = 1)")
+    gen.add_argument("--early-stopping", action="store_true", help="end the beam search once --num-beams hypotheses end")
+    gen.add_argument("--logprobs", type=count, default=None, metavar="TOP",
                      help="print each token's log-probability and its TOP likeliest alternatives (0-20)")
-    gen.add_argument("--stop", action="append", default=[], help="stop string (repeat for several); not returned")
+    gen.add_argument("--stop", action="append", default=[], help="stop string, one per flag (repeat the flag for several)")
+    gen.add_argument("--stop-token-id", action="append", type=count, default=[], help="token id that ends generation (repeatable)")
+    gen.add_argument("--include-stop-str", action="store_true", help="keep the matched stop string at the end of the text")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--salt", default="", help="cache salt: requests with different salts never share cached blocks")
     gen.add_argument("--encoder-prompt", default=None, help="encoder input text (encoder-decoder models)")
@@ -152,9 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                           formatter_class=defaults)
     add_connection_flags(chat)
     chat.add_argument("--system", default=None, help="system message (unset: the template's own, if any)")
-    chat.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer at most")
+    chat.add_argument("--max-new-tokens", type=count, default=256, help="tokens per answer at most")
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    chat.add_argument("--top-k", type=int, default=0, help="sample from the k likeliest tokens (0 = all)")
+    chat.add_argument("--top-k", type=top_k, default=0, help="sample from the k likeliest tokens (0 or -1 = all)")
     chat.add_argument("--top-p", type=float, default=None, help="sample from the smallest set with this much mass")
     chat.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each answer in seconds")
     chat.set_defaults(func=_chat)

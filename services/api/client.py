@@ -125,14 +125,16 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         prompt=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
         ignore_eos=args.ignore_eos, cache=pb.CacheOptions(salt=args.salt),
         encoder_prompt=args.encoder_prompt or "", n=args.n, num_beams=args.num_beams,
-        logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0,
+        logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, min_new_tokens=args.min_new_tokens,
+        stop_token_ids=args.stop_token_id, include_stop_str_in_output=args.include_stop_str,
+        early_stopping=args.early_stopping, **({} if args.length_penalty is None else {"length_penalty": args.length_penalty}),
     )
 
 
 def generate_main(connection: Connection, request: pb.GenerateRequest, timeout_s: float) -> int:
     """`kvshare generate`: text to stdout as it streams, usage and timings to stderr. With several
-    samples or beams, sample 0 streams and the others follow, each after a ``--- sample i`` line;
-    with logprobs, one ``id logprob [alternatives]`` line per token goes to stderr."""
+    samples or beams, each sample's text follows a ``--- sample i`` line (sample 0 streams); with
+    logprobs, one ``id logprob [id:text:logprob alternatives]`` line per token goes to stderr."""
     with connection.channel() as channel:
         stub = pb_grpc.GeneratorStub(channel)
         echoed = []
@@ -141,6 +143,8 @@ def generate_main(connection: Connection, request: pb.GenerateRequest, timeout_s
             echoed.append(text)
             print(text, end="", flush=True)
 
+        if request.n > 1 or request.num_beams > 1:
+            print("--- sample 0", flush=True)
         try:
             samples = complete_all(stub, request, timeout_s, echo=echo, metadata=connection.metadata)
         except grpc.RpcError as exc:
@@ -151,10 +155,13 @@ def generate_main(connection: Connection, request: pb.GenerateRequest, timeout_s
         if i:
             print(f"--- sample {i}\n{done.text}", flush=True)
         for entry in done.logprobs:
-            alternatives = " ".join(f"{t.token_id}:{t.logprob:.3f}" for t in entry.top)
+            alternatives = " ".join(f"{t.token_id}:{t.text!r}:{t.logprob:.3f}" for t in entry.top)
             print(f"  {entry.token_id} {entry.logprob:.4f} {alternatives}".rstrip(), file=sys.stderr)
         u, t = done.last.usage, done.last.timings
         beam = f" beam_score={done.last.beam_score:.4f}" if request.num_beams > 1 else ""
+        matched = done.last.WhichOneof("matched_stop")
+        if matched is not None:
+            beam += f" {matched}={getattr(done.last, matched)!r}"
         print(
             f"{f'[{i}] ' if len(samples) > 1 else ''}finish={pb.FinishReason.Name(done.last.finish_reason)} "
             f"prompt_tokens={u.prompt_tokens} cached_prompt_tokens={u.cached_prompt_tokens} "

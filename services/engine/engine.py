@@ -330,7 +330,8 @@ class Engine:
     def _check_generation_fields(self, request: GenerationRequest) -> None:
         cap = self.options.max_new_tokens_cap
         if not 1 <= request.max_new_tokens <= cap:
-            raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap}, got {request.max_new_tokens}")
+            raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap} (the worker's --max-new-tokens-cap), "
+                                 f"got {request.max_new_tokens}")
         if request.min_new_tokens > request.max_new_tokens:
             raise InvalidRequest("min_new_tokens", f"must not exceed max_new_tokens ({request.max_new_tokens}), "
                                  f"got {request.min_new_tokens}")
@@ -347,7 +348,7 @@ class Engine:
             if not -2.0 <= getattr(s, name) <= 2.0:
                 raise InvalidRequest(f"sampling.{name}", f"must be in [-2, 2] (0 = off), got {getattr(s, name)}")
         if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got more")
+            raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got more than {MAX_STOP_TOKEN_IDS}")
         self._checked_ids("stop_token_ids", request.stop_token_ids)
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
