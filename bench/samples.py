@@ -219,11 +219,15 @@ def ratio_text(values: list[float]) -> str:
 
 
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
-        "--rounds", type=int, default=None, help="interleaved rounds (default 3; 1 with --smoke)"))
+    def flags(parser) -> None:
+        parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (default 3; 1 with --smoke)")
+        parser.add_argument("--prompt-tokens", type=int, default=None,
+                            help="prompt length (default 256; 64 with --smoke); the prompt is computed once per request")
+
+    args = parse_args(__doc__.splitlines()[0], flags)
     model = bench_model(args)
     prompt_tokens, new, rounds = (64, 16, 1) if args.smoke else (256, 128, 3)
-    rounds = args.rounds or rounds
+    rounds, prompt_tokens = args.rounds or rounds, args.prompt_tokens or prompt_tokens
     rng = np.random.default_rng(17)
     checks = Checks()
 
