@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -176,8 +177,6 @@ class Engine:
         self._pending_publishes: set[Future] = set()
         self._pending_bytes = 0
         """Bytes the waiting publishes hold (K/V copies, cross K/V)."""
-        self._reserved = 0
-        """Publishes with room reserved, not yet submitted."""
         scheduling = options.scheduler
         if not scheduling.max_batch:
             scheduling = replace(scheduling, max_batch=derived_max_batch(
@@ -441,8 +440,7 @@ class Engine:
             cross = self.encoder.run(seq.encoder_input).astype(self.session.kv_dtype, copy=False)
             if not seq.cache.skip_write:
                 input_hash = seq.encoder_hash
-                if self._reserve(cross.nbytes):
-                    self._in_background(lambda: self.cross.put(input_hash, cross), cross.nbytes)
+                self._in_background(cross.nbytes, lambda: partial(self.cross.put, input_hash, cross))
         self.slots.begin(seq.slot, seq.lookup.blocks, seq.prefilled, cross)
         # The fetched values are in the slot now; do not hold them for the whole decode.
         seq.lookup.release()
@@ -483,9 +481,7 @@ class Engine:
         copied (see ``_in_background``)."""
         size = seq.namespace.block_size
         nbytes = (last - first) * size * self.spec.kv_bytes_per_token(self.session.kv_dtype.itemsize)
-        if self._reserve(nbytes):
-            kv = self.slots.canonical(seq.slot, first * size, last * size)
-            self._in_background(lambda: publish(kv), nbytes)
+        self._in_background(nbytes, lambda: partial(publish, self.slots.canonical(seq.slot, first * size, last * size)))
 
     def distrust(self, seq: Sequence) -> bool:
         """On the scheduler thread, when the first token's logits are NaN or infinite. Values that
@@ -501,8 +497,7 @@ class Engine:
         self.cache_stats.count("rejected_values", RejectReason.BAD_OUTPUT)
         _distrusted.warning("request %s: NaN or infinite logits over %d values from the store; deleting them and "
                             "computing the prompt again", seq.request_id, len(keys))
-        if self._reserve(0):
-            self._in_background(lambda: self.store.delete(keys), 0)
+        self._in_background(0, lambda: partial(self.store.delete, keys))
         seq.lookup = PrefixLookup(hashes=seq.lookup.hashes, blocks=[])
         seq.prefilled = seq.usage.cached_prompt_tokens = 0
         seq.usage.encoder_cache_hit = False
@@ -510,26 +505,23 @@ class Engine:
         seq.cache = replace(seq.cache, skip_write=True)
         return True
 
-    def _reserve(self, nbytes: int) -> bool:
-        """Room for one more publish holding ``nbytes``: fewer than ``max_pending_publishes`` wait,
-        and their bytes stay within ``max_pending_publish_bytes`` (one publish larger than that
-        still goes when none waits, or a long prompt would never be shared). Otherwise the publish
-        is dropped, counted, before anything is copied for it: a slow store, or answers of
-        thousands of tokens finishing together, cannot make copies pile up in memory."""
+    def _in_background(self, nbytes: int, prepare: Callable[[], Callable[[], object]]) -> None:
+        """Runs a publish holding ``nbytes`` on the write threads if there is room for it: fewer
+        than ``max_pending_publishes`` wait, and their bytes stay within ``max_pending_publish_bytes``
+        (one publish larger than that still goes when none waits, or a long prompt would never be
+        shared). ``prepare`` (the copy out of a slot) runs here and returns the publish; without
+        room the publish is dropped, counted, before anything is copied: a slow store, or answers
+        of thousands of tokens finishing together, cannot make copies pile up in memory. Called on
+        the scheduler thread only, so no other publish joins between the check and the submit."""
         with self._publish_lock:
-            full = len(self._pending_publishes) + self._reserved >= self.options.max_pending_publishes or (
+            full = len(self._pending_publishes) >= self.options.max_pending_publishes or (
                 self._pending_bytes > 0 and self._pending_bytes + nbytes > self.options.max_pending_publish_bytes)
             if full:
                 self.cache_stats.add(publishes_dropped=1)
-                return False
-            self._reserved += 1
-            self._pending_bytes += nbytes
-            return True
-
-    def _in_background(self, publish: Callable[[], object], nbytes: int) -> None:
-        """Runs a publish ``_reserve`` made room for on the write threads."""
+                return
+        publish = prepare()
         with self._publish_lock:
-            self._reserved -= 1
+            self._pending_bytes += nbytes
             future = self._write_pool.submit(publish)
             self._pending_publishes.add(future)
             self.stats.publishes += 1
