@@ -614,13 +614,17 @@ class Engine:
                     items = seq.drain()
                     if not items:
                         continue
+                    pieces = []
                     if seq.prompt_logprobs and not seq.usage.completion_tokens:
                         # Thousands of positions x 20 alternatives to decode: not on the loop.
                         entries = await self._off_loop(lambda e: with_text(e, self.tokenizer), seq.prompt_logprobs)
-                        for start in range(0, len(entries) - PROMPT_LOGPROBS_PER_CHUNK, PROMPT_LOGPROBS_PER_CHUNK):
-                            yield GenerationChunk([], "", index=seq.index,
-                                                  prompt_logprobs=entries[start : start + PROMPT_LOGPROBS_PER_CHUNK])
+                        pieces = [entries[i : i + PROMPT_LOGPROBS_PER_CHUNK]
+                                  for i in range(0, len(entries), PROMPT_LOGPROBS_PER_CHUNK)]
+                        for piece in pieces[:-1]:  # ahead of the first token; the last rides with it
+                            yield GenerationChunk([], "", index=seq.index, prompt_logprobs=piece)
                     chunk = self._chunk(seq, items, texts[id(seq)], request)
+                    if pieces:
+                        chunk.prompt_logprobs = pieces[-1]
                     if len(items) >= self.scheduler.options.max_unread_tokens:
                         self.scheduler.wake()  # it may have paused this sequence: it can decode again
                     if chunk.finish_reason is not None:
@@ -697,14 +701,9 @@ class Engine:
                 break
         chunk = GenerationChunk(tokens, delta, logits=logits[: len(tokens)], index=seq.index,
                                 logprobs=with_text(logprobs, self.tokenizer))
-        if sent == 0 and seq.prompt_logprobs:
-            # The last piece (the others went ahead, see generate), texts already filled.
-            count = len(seq.prompt_logprobs)
-            chunk.prompt_logprobs = seq.prompt_logprobs[(count - 1) // PROMPT_LOGPROBS_PER_CHUNK * PROMPT_LOGPROBS_PER_CHUNK :]
         if reason is None:
             return chunk
-        if not text.stopped:
-            chunk.text += text.finish()
+        chunk.text += text.finish()
         if text.stopped:  # a stop string hidden behind an unfinished character until now
             reason, matched = FinishReason.STOP, text.matched
         seq.timings.total_ms = (time.perf_counter() - seq.t0) * 1e3
