@@ -544,6 +544,8 @@ class Engine:
         cache = replace(request.cache, skip_read=True) if request.prompt_logprobs else request.cache
         eos = frozenset() if request.ignore_eos else frozenset(self.spec.eos_token_ids)
         stop_ids = frozenset(request.stop_token_ids)
+        request_id = request.request_id or uuid.uuid4().hex
+        namespace = self.namespace(request.cache.salt, input_hash, request.tenant)
         ready = asyncio.Event()
         rows = []
         for i in range(count):
@@ -554,13 +556,13 @@ class Engine:
             if LogitsAdjuster.needed(sampling, request.min_new_tokens):
                 adjust = LogitsAdjuster(sampling, prepared.ids, self.spec.vocab_size, eos | stop_ids, request.min_new_tokens)
             rows.append(Sequence(
-                request_id=request.request_id or uuid.uuid4().hex,
+                request_id=request_id,
                 prompt=prepared.ids,
                 max_new_tokens=request.max_new_tokens,
                 sampler=Sampler(sampling),
                 eos_ids=eos,
                 stop_ids=stop_ids,
-                namespace=self.namespace(request.cache.salt, input_hash, request.tenant),
+                namespace=namespace,
                 cache=cache,
                 t0=t0,
                 loop=asyncio.get_running_loop(),

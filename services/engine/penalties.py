@@ -7,6 +7,7 @@ vector work however long the sequence is: no pass over the history.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import numpy as np
@@ -58,8 +59,6 @@ class LogitsAdjuster:
 
     def fork(self) -> LogitsAdjuster:
         """An independent copy (a sample or a beam continuing from the same tokens)."""
-        twin = object.__new__(LogitsAdjuster)
-        twin.repetition, twin.presence, twin.frequency = self.repetition, self.presence, self.frequency
-        twin._stop_ids, twin._min_new_tokens, twin._generated = self._stop_ids, self._min_new_tokens, self._generated
-        twin._seen, twin._counts = self._seen.copy(), self._counts.copy()
+        twin = copy.copy(self)
+        twin._seen, twin._counts = self._seen.copy(), self._counts.copy()  # the only state that grows
         return twin

@@ -431,11 +431,9 @@ class Scheduler:
         for row, hypothesis in zip(rows[: group.outputs], state.finalize(), strict=False):
             row.timings.time_to_first_token_ms = (now - row.t0) * 1e3
             row.beam_score = hypothesis.score
-            stop = hypothesis.stop_token
-            last = FinishReason.LENGTH if stop is None else FinishReason.STOP if stop in row.stop_ids else FinishReason.EOS
+            last = FinishReason.LENGTH if hypothesis.stop_token is None else row.ended_by(hypothesis.stop_token)
             for k, token in enumerate(hypothesis.tokens):
                 row.outbox.append((token, last if k == len(hypothesis.tokens) - 1 else None, None))
-            row.tokens = hypothesis.tokens
             self._touched[id(row)] = row
         with self._cond:
             self.stats.finished += 1
@@ -466,12 +464,8 @@ class Scheduler:
             seq.logits.append(logits.copy())
         if seq.adjust is not None:
             seq.adjust.observe(token)
-        reason = None
-        if token in seq.stop_ids:  # named by the request: reported as such even when it is also EOS
-            reason = FinishReason.STOP
-        elif token in seq.eos_ids:
-            reason = FinishReason.EOS
-        elif seq.generated >= seq.max_new_tokens:
+        reason = seq.ended_by(token)
+        if reason is None and seq.generated >= seq.max_new_tokens:
             reason = FinishReason.LENGTH
         logprob = token_logprobs(logits[None], [token], seq.top_logprobs)[0] if seq.logprobs else None
         seq.outbox.append((token, reason, logprob))

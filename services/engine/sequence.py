@@ -92,7 +92,7 @@ class Sequence:
     index: int = 0
     """The row's place in its group (the sample's index)."""
     tokens: list[int] = field(default_factory=list)
-    """Tokens generated so far."""
+    """Tokens generated so far (beams keep theirs in ``BeamState``)."""
     beam_score: float | None = None
     passed_by: int = 0
     """Requests admitted ahead of this one while it waited at the head of the queue for slots."""
@@ -128,6 +128,15 @@ class Sequence:
     @property
     def done(self) -> bool:
         return self.phase is Phase.FINISHED
+
+    def ended_by(self, token: int) -> FinishReason | None:
+        """STOP for one of the request's stop token ids (even when it is also EOS), EOS for the
+        model's end-of-sequence token, else None."""
+        if token in self.stop_ids:
+            return FinishReason.STOP
+        if token in self.eos_ids:
+            return FinishReason.EOS
+        return None
 
     @property
     def rows(self) -> list[Sequence]:
