@@ -29,7 +29,7 @@ import grpc
 import numpy as np
 
 from bench.fleet import INTRA_OP_THREADS, parse_args, print_table
-from cachestore.codec import Expected, ValueKind, decode, encode, owner_of
+from cachestore.codec import Expected, ValueKind, decode, dtype_of, encode, owner_of
 from cachestore.keys import Namespace, block_hashes, block_key
 from cachestore.prefix import CANONICAL_LAYOUT
 from kvshare.v1 import generator_pb2 as pb
@@ -102,7 +102,7 @@ def overwrite(t: Target, redis_client, rng) -> tuple[int, bool]:
         value = redis_client.get(key)
         start = value.find(b"KVSH")  # the codec value, inside a signature envelope or not
         owner = owner_of(value[start:])
-        tensor = decode(value[start:], Expected(ValueKind.PREFIX_BLOCK, owner, np.dtype(np.float32))) * -4.0
+        tensor = decode(value[start:], Expected(ValueKind.PREFIX_BLOCK, owner, dtype_of(value[start:]))) * -4.0
         redis_client.set(key, value[:start] + encode(ValueKind.PREFIX_BLOCK, owner, tensor))
     answer, cached = generate(t, ids, t.victim)
     return cached, answer == generate(t, ids, t.victim, skip_cache=True)[0]

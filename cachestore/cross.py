@@ -32,20 +32,23 @@ _rejected = RateLimitedLog(log)
 
 
 class CrossStore:
-    def __init__(self, store: KVStore, stats: CacheStats, max_value_bytes: int) -> None:
+    def __init__(self, store: KVStore, stats: CacheStats, max_value_bytes: int, dtype: np.dtype) -> None:
         self.store = store
+        self.dtype = dtype
+        """The storage dtype: values are narrowed to it by ``put`` and must hold it for ``get``."""
         self.stats = stats
         self.max_value_bytes = max_value_bytes
 
-    def get(self, input_hash: BlockHash, layers: int, heads: int, head_dim: int, dtype: np.dtype) -> np.ndarray | None:
-        """The cached cross K/V of an encoder input, or None (a bad value is counted and deleted)."""
+    def get(self, input_hash: BlockHash, layers: int, heads: int, head_dim: int) -> np.ndarray | None:
+        """The cached cross K/V of an encoder input in the storage dtype, or None (a bad value is
+        counted and deleted)."""
         key = cross_key(input_hash)
         value = self.store.get(key)
         if value is None:
             self.stats.add(cross_misses=1)
             return None
         try:
-            kv = decode(value, Expected(ValueKind.CROSS_KV, input_hash, dtype, authenticated=self.store.authenticated))
+            kv = decode(value, Expected(ValueKind.CROSS_KV, input_hash, self.dtype, authenticated=self.store.authenticated))
             if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (layers, 2, heads, head_dim):
                 raise CodecError(RejectReason.FORMAT, f"shape {kv.shape} does not fit {layers} layers x {heads} heads x {head_dim}")
         except CodecError as exc:
@@ -60,10 +63,11 @@ class CrossStore:
     def put(self, input_hash: BlockHash, kv: np.ndarray) -> bool:
         """Stores the cross K/V set-if-absent, unless its value would exceed ``max_value_bytes``
         (checked before anything is encoded, so a too-large value costs nothing) or hold what
-        ``decode`` refuses (NaN, infinity, out of range)."""
-        if kv.nbytes > self.max_value_bytes:
+        ``decode`` refuses (NaN, infinity, out of range), once narrowed to the storage dtype."""
+        if kv.size * self.dtype.itemsize > self.max_value_bytes:
             self.stats.add(values_too_large=1)
             return False
+        kv = kv.astype(self.dtype, copy=False)
         try:
             check_range(kv)  # what every reader would refuse is not stored
         except CodecError as exc:

@@ -7,12 +7,19 @@ engine converts to and from its model's own layout. Only full blocks are ever st
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cachestore.codec import CodecError, Expected, ValueKind, decode, encode
+from cachestore.codec import (
+    CodecError,
+    Expected,
+    ValueKind,
+    check_range,
+    decode,
+    encode,
+)
 from cachestore.keys import BlockHash, Namespace, block_hashes, block_key
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
@@ -26,7 +33,8 @@ CANONICAL_LAYOUT = "layers,kv,kv_heads,tokens,head_dim"
 
 @dataclass(frozen=True, slots=True)
 class KVGeometry:
-    """Shape of one token's K/V in canonical layout, and the stored element type."""
+    """Shape of one token's K/V in canonical layout, and the stored element type (the storage
+    dtype, which may be narrower than the model's: ``cachestore.storage_dtype``)."""
 
     num_layers: int
     num_kv_heads: int
@@ -44,13 +52,14 @@ class PrefixLookup:
     hashes: list[BlockHash]
     """Chained hashes of every full block of the prompt."""
     blocks: list[np.ndarray]
-    """Canonical K/V of each block of the run: read-only views of the fetched values, no copy.
-    Emptied by ``release`` once they are copied into a slot."""
-    hit_blocks: int = field(init=False)
-    """Length of the run found (kept after ``release``)."""
+    """Canonical K/V of the run's blocks that the lookup's ``into`` kept (all of them without
+    one): read-only views of the fetched values, no copy. Emptied by ``release``."""
+    hit_blocks: int = -1
+    """Length of the run found (kept after ``release``); -1 means ``len(blocks)``."""
 
     def __post_init__(self) -> None:
-        self.hit_blocks = len(self.blocks)
+        if self.hit_blocks < 0:
+            self.hit_blocks = len(self.blocks)
 
     def release(self) -> None:
         """Drops the fetched values (they are in the slot now), keeping what was found."""
@@ -66,39 +75,57 @@ class PrefixStore:
     def hashes(self, namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
         return block_hashes(namespace, token_ids)
 
-    def lookup(self, namespace: Namespace, token_ids: Sequence[int]) -> PrefixLookup:
-        """One batched read of every full block's key; the run stops at the first miss, and a
-        value that fails a check is counted, deleted, and ends the run like a miss."""
+    def lookup(self, namespace: Namespace, token_ids: Sequence[int],
+               into: Callable[[int, np.ndarray], bool] | None = None) -> PrefixLookup:
+        """One batched read of every full block's key, each value checked as it arrives; the run
+        stops at the first miss, and a value that fails a check is counted, deleted, and ends the
+        run like a miss. With ``into``, block ``i`` of the run goes to ``into(i, block)`` as soon as
+        it is checked, before the next value is read, and is kept only if ``into`` returns True:
+        a fetch that copies each block into its slot holds one value at a time."""
         hashes = self.hashes(namespace, token_ids)
         keys = [block_key(h) for h in hashes]
-        values = self.store.get_many(keys) if keys else []
         expected = Expected(ValueKind.PREFIX_BLOCK, b"", self.geometry.dtype, self.geometry.block_shape(namespace.block_size),
                             self.store.authenticated)
-        run: list[np.ndarray] = []
-        for h, key, value in zip(hashes, keys, values, strict=True):
-            if value is None:
-                break
-            try:
-                run.append(decode(value, replace(expected, owner=h)))
-            except CodecError as exc:
-                self.stats.count("rejected_values", exc.reason)
-                _rejected.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
-                self.store.delete([key])
-                break
-            self.stats.add(bytes_read=len(value))
-        self.stats.add(block_hits=len(run), block_misses=len(hashes) - len(run))
-        return PrefixLookup(hashes=hashes, blocks=run)
+        kept: list[np.ndarray] = []
+        hits = 0
+        values = self.store.iter_many(keys)
+        try:
+            for h, key, value in zip(hashes, keys, values, strict=False):
+                if value is None:
+                    break
+                try:
+                    block = decode(value, replace(expected, owner=h))
+                except CodecError as exc:
+                    self.stats.count("rejected_values", exc.reason)
+                    _rejected.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
+                    self.store.delete([key])
+                    break
+                self.stats.add(bytes_read=len(value))
+                if into is None or into(hits, block):
+                    kept.append(block)
+                hits += 1
+        finally:
+            values.close()
+        self.stats.add(block_hits=hits, block_misses=len(hashes) - hits)
+        return PrefixLookup(hashes=hashes, blocks=kept, hit_blocks=hits)
 
     def publish(self, hashes: Sequence[BlockHash], kv: np.ndarray, first_block: int, block_size: int) -> int:
         """Writes blocks ``first_block .. len(hashes)`` under their hashes, set-if-absent; ``kv``
-        (canonical) holds exactly those blocks' tokens, from block ``first_block`` on. Returns how
-        many were new."""
+        (canonical, any float dtype) holds exactly those blocks' tokens, from block ``first_block``
+        on, and is narrowed to the storage dtype here. A block that would not pass a reader's range
+        check once narrowed ends the publish there: later blocks are only reachable through it.
+        Returns how many were new."""
         size = block_size
         assert kv.shape[3] == (len(hashes) - first_block) * size, "kv must hold exactly the blocks to publish"
         items = []
         for i in range(first_block, len(hashes)):
             j = i - first_block
             block = kv[:, :, :, j * size : (j + 1) * size, :].astype(self.geometry.dtype, copy=False)
+            try:
+                check_range(block)
+            except CodecError as exc:
+                _rejected.warning("block %s and later ones not stored (%s)", block_key(hashes[i]), exc)
+                break
             items.append((block_key(hashes[i]), encode(ValueKind.PREFIX_BLOCK, hashes[i], block)))
         written = self.store.put_many(items)
         self.stats.add(blocks_written=written, bytes_sent=sum(len(v) for _, v in items))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
 from cachestore.breaker import BreakerPolicy, BreakerState, CircuitBreaker
@@ -36,29 +36,36 @@ class ResilientStore(KVStore):
         self._logs = {(kind, state): RateLimitedLog(log) for kind in ("reads", "writes") for state in ("failing", "back")}
 
     def _call(self, breaker: CircuitBreaker, operation: str, fn: Callable[[], T], fallback: T) -> T:
-        kind = "reads" if breaker is self.read_breaker else "writes"
         if not breaker.allow():
             self.stats.add(short_circuited=1)
             return fallback
         try:
             result = fn()
         except Exception as exc:  # noqa: BLE001 - the store is an optimisation; any failure is a miss
-            self.stats.count("store_errors", self.inner.error_kind(exc))
-            breaker.failure()
-            with self._lock:
-                first = kind not in self._failing
-                self._failing.add(kind)
-            if first:
-                self._logs[kind, "failing"].warning("cache store %s failing %s (%s: %s: %s); computing instead, breaker %s",
-                            self.name, kind, operation, type(exc).__name__, exc, breaker.state.value)
+            self._failed(breaker, operation, exc)
             return fallback
+        self._succeeded(breaker)
+        return result
+
+    def _failed(self, breaker: CircuitBreaker, operation: str, exc: Exception) -> None:
+        kind = "reads" if breaker is self.read_breaker else "writes"
+        self.stats.count("store_errors", self.inner.error_kind(exc))
+        breaker.failure()
+        with self._lock:
+            first = kind not in self._failing
+            self._failing.add(kind)
+        if first:
+            self._logs[kind, "failing"].warning("cache store %s failing %s (%s: %s: %s); computing instead, breaker %s",
+                                                self.name, kind, operation, type(exc).__name__, exc, breaker.state.value)
+
+    def _succeeded(self, breaker: CircuitBreaker) -> None:
+        kind = "reads" if breaker is self.read_breaker else "writes"
         with self._lock:
             recovered = kind in self._failing
             self._failing.discard(kind)
         if recovered:
             self._logs[kind, "back"].warning("cache store %s answers %s again", self.name, kind)
         breaker.success()
-        return result
 
     @property
     def state(self) -> BreakerState:
@@ -70,6 +77,24 @@ class ResilientStore(KVStore):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._call(self.read_breaker, "get_many", lambda: self.inner.get_many(keys), [None] * len(keys))
+
+    def iter_many(self, keys: Sequence[str]) -> Iterator[bytes | None]:
+        """The inner store's values as they arrive; a failure part-way ends the iteration (the
+        rest are misses), counted like any failed read."""
+        if not keys:
+            return
+        if not self.read_breaker.allow():
+            self.stats.add(short_circuited=1)
+            return
+        try:
+            yield from self.inner.iter_many(keys)
+        except GeneratorExit:  # the caller stopped early (a miss); the store answered
+            self._succeeded(self.read_breaker)
+            raise
+        except Exception as exc:  # noqa: BLE001 - the store is an optimisation; any failure is a miss
+            self._failed(self.read_breaker, "iter_many", exc)
+            return
+        self._succeeded(self.read_breaker)
 
     def put(self, key: str, value: bytes) -> bool:
         return self._call(self.write_breaker, "put", lambda: self.inner.put(key, value), False)

@@ -9,7 +9,7 @@ that block (set-if-absent) replaces it with a signed one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from cachestore.codec import RejectReason
 from cachestore.ratelimit import RateLimitedLog
@@ -35,23 +35,39 @@ class SignedStore(KVStore):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
-        values: list[memoryview | None] = []
         refused: list[str] = []
-        for key, envelope in zip(keys, self.inner.get_many(keys), strict=True):
-            if envelope is None:
-                values.append(None)
-                continue
-            verified = self.keyring.verify(key, envelope)
-            if isinstance(verified, VerifyFailure):
-                self.stats.count("rejected_values", _REASONS[verified])
-                _refused.warning("cache value %s refused (%s); deleted, computing instead", key, verified.value)
-                refused.append(key)
-                values.append(None)
-            else:
-                values.append(verified)
+        values = [None if envelope is None else self._verified(key, envelope, refused)
+                  for key, envelope in zip(keys, self.inner.get_many(keys), strict=True)]
         if refused:
             self.inner.delete(refused)
         return values
+
+    def iter_many(self, keys: Sequence[str]) -> Iterator[memoryview | None]:
+        refused: list[str] = []
+        envelopes = zip(keys, self.inner.iter_many(keys), strict=False)
+        try:
+            for key, envelope in envelopes:
+                yield None if envelope is None else self._verified(key, envelope, refused)
+        finally:
+            # A caller that stopped early (at a miss or a refused value) leaves the rest unread:
+            # they are read anyway to free the connection, so they are verified too, and every
+            # forged value is deleted now, letting the next publish (set-if-absent) replace it.
+            for key, envelope in envelopes:
+                if envelope is not None:
+                    self._verified(key, envelope, refused)
+            if refused:
+                self.inner.delete(refused)
+
+    def _verified(self, key: str, envelope: bytes, refused: list[str]) -> memoryview | None:
+        """The value inside ``envelope`` if its MAC verifies, else None (counted, logged, and its
+        key added to ``refused`` for deletion)."""
+        verified = self.keyring.verify(key, envelope)
+        if isinstance(verified, VerifyFailure):
+            self.stats.count("rejected_values", _REASONS[verified])
+            _refused.warning("cache value %s refused (%s); deleted, computing instead", key, verified.value)
+            refused.append(key)
+            return None
+        return verified
 
     def put(self, key: str, value: bytes) -> bool:
         return self.put_many([(key, value)]) > 0

@@ -8,7 +8,7 @@ store it once. Every method may raise; ``ResilientStore`` turns failures into mi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 ERROR_KINDS = ("timeout", "connection", "tls", "auth", "out_of_memory", "response", "protocol", "error")
 """Every label ``KVStore.error_kind`` may return (metrics show each from the start)."""
@@ -42,6 +42,13 @@ class KVStore(ABC):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return [self.get(k) for k in keys]
+
+    def iter_many(self, keys: Sequence[str]) -> Iterator[bytes | None]:
+        """The values under ``keys`` in order, each yielded as soon as it is read, so that a caller
+        can use and drop one before the next arrives: a fetch then holds one value at a time, and
+        works on each while the rest are still on their way. The iterator may end early (the rest
+        count as missing: the store failed) and may be closed early by the caller."""
+        yield from self.get_many(keys)
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         """Set-if-absent for each item; returns how many were written."""

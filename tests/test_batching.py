@@ -41,7 +41,7 @@ def prompt(n: int, seed: int) -> list[int]:
 def make_engine(folder, store=None, **options) -> Engine:
     """An engine on ``folder``; ``options`` are EngineOptions fields or, for the rest, SchedulerOptions fields."""
     engine_fields = {"block_size": B} | {k: options.pop(k) for k in ("store_read_threads", "store_write_threads",
-                                                                      "block_size") if k in options}
+                                                                      "block_size", "cache_dtype") if k in options}
     options = EngineOptions(scheduler=SchedulerOptions(**options), **engine_fields)
     return Engine.load(folder, options, store or MemoryStore(64 << 20), CacheStats(), "cpu", 2)
 
@@ -72,8 +72,11 @@ def alone(engine: Engine, req: GenerationRequest):
 
 @pytest.fixture()
 def tiny_pair(tiny_model, redis_url):
-    """Two replicas on one real Redis, and a third engine that runs each request alone."""
-    engines = [make_engine(tiny_model, open_store(redis_url, StoreOptions(), CacheStats())) for _ in range(2)]
+    """Two replicas on one real Redis, and a third engine that runs each request alone. They store
+    float32 K/V: batched logits are compared with each request's alone within float32 rounding
+    (what half-size storage changes is tests/test_cache_dtype.py's)."""
+    engines = [make_engine(tiny_model, open_store(redis_url, StoreOptions(), CacheStats()), cache_dtype="float32")
+               for _ in range(2)]
     engines.append(make_engine(tiny_model))
     yield engines
     for e in engines:
@@ -345,9 +348,9 @@ def test_publish_copies_blocks_before_the_slot_is_reused(tiny_model):
     for i, h in enumerate(hashes):
         value = store.get(block_key(h))
         assert value is not None, f"block {i} was not published"
-        stored = decode(value, Expected(ValueKind.PREFIX_BLOCK, h, engine.session.kv_dtype,
+        stored = decode(value, Expected(ValueKind.PREFIX_BLOCK, h, engine.storage_dtype,
                                         engine.prefix.geometry.block_shape(B)))
-        np.testing.assert_array_equal(stored, truth[:, :, :, i * B : (i + 1) * B])
+        np.testing.assert_array_equal(stored, truth[:, :, :, i * B : (i + 1) * B].astype(engine.storage_dtype))
     # And a request that reuses them answers as the cold run did.
     again_tokens, _, last = run(first)
     assert last.usage.cached_prompt_tokens == 4 * B and again_tokens == reference[0]

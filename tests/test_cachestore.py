@@ -252,7 +252,7 @@ def test_cross_kv_that_readers_would_refuse_is_never_stored():
     from cachestore.cross import CrossStore
 
     store, stats = MemoryStore(1 << 20), CacheStats()
-    cross = CrossStore(store, stats, max_value_bytes=1 << 20)
+    cross = CrossStore(store, stats, max_value_bytes=1 << 20, dtype=BLOCK.dtype)
     bad = BLOCK.copy()
     bad[0, 0, 0, 0, 0] = np.nan
     assert not cross.put(OWNER, bad) and store.used_bytes == 0

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import GENAI_FIXTURES, collect, record_margin, wait_until
 
-from cachestore.codec import Expected, ValueKind, decode, encode
+from cachestore.codec import Expected, ValueKind, decode, dtype_of, encode
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import block_key
 from cachestore.memory import MemoryStore
@@ -103,7 +103,7 @@ def _corrupt(client, key, how, owner=b""):
     value = client.get(key)
     if how == "nan":
         # A well-formed value under the right owner, checksum and all: only its numbers are bad.
-        tensor = decode(value, Expected(ValueKind.PREFIX_BLOCK, owner, np.dtype(np.float32))).copy()
+        tensor = decode(value, Expected(ValueKind.PREFIX_BLOCK, owner, dtype_of(value))).copy()
         tensor[0, 0, 0, 0, :] = np.nan
         client.set(key, encode(ValueKind.PREFIX_BLOCK, owner, tensor))
     elif how == "flip":

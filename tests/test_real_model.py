@@ -40,9 +40,10 @@ SYSTEM = "\n".join(
 )
 
 
-# Cached K/V enters the same kernels in another order of additions than a cold prefill: the
-# logits move by float32 rounding only.
-LOGIT_TOLERANCE = 1e-3
+# Per storage dtype: float32 K/V enters the same kernels in another order of additions than a cold
+# prefill, so the logits move by float32 rounding only; float16 K/V moves them by its rounding
+# (bench/cache_dtype.py measured at most 0.0155 over 20 prompts x 201 positions on this model).
+LOGIT_TOLERANCE = {"float32": 1e-3, "float16": 0.03}
 
 
 def stream(engine: Engine, request: GenerationRequest) -> tuple[list[int], list[np.ndarray], object]:
@@ -115,7 +116,7 @@ def test_a_shared_system_message_is_reused_by_another_replica_with_cold_tokens(s
             assert ids == cold_ids
             for ours, theirs in zip(logits, cold_logits, strict=True):
                 record_margin("cached vs cold (SmolLM2)", theirs)
-                assert np.abs(ours - theirs).max() < LOGIT_TOLERANCE
+                assert np.abs(ours - theirs).max() < LOGIT_TOLERANCE[engines[1].storage_dtype.name]
     finally:
         for engine in engines:
             engine.close()

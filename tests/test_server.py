@@ -69,6 +69,7 @@ def test_model_info(stub):
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert (info.num_layers, info.num_heads, info.num_kv_heads, info.head_size) == (2, 4, 2, 16)
     assert info.kv_bytes_per_token == 2 * 2 * 2 * 16 * 4
+    assert info.cache_dtype == "float16" and info.cached_bytes_per_token == 2 * 2 * 2 * 16 * 2
     assert info.vocab_size == 512 and info.context_length == 1024
     assert info.execution_provider == "CPUExecutionProvider"
     assert len(info.fingerprint) == 64 and not info.encoder_decoder and info.block_size == 64

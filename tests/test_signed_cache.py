@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import collect
 
-from cachestore.codec import Expected, ValueKind, decode, encode, owner_of
+from cachestore.codec import Expected, ValueKind, decode, dtype_of, encode, owner_of
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import block_key
 from cachestore.signing import MAGIC, Keyring
@@ -72,7 +72,7 @@ def _forge(client, how, e: Engine, ids, hashes, keys, i):
         _, other_keys = keys_of(e, ids, salt="other")
         client.set(keys[i], client.get(other_keys[i]))
         return
-    tensor = decode(legit, Expected(ValueKind.PREFIX_BLOCK, hashes[i], np.dtype(np.float32))) * 3.0
+    tensor = decode(legit, Expected(ValueKind.PREFIX_BLOCK, hashes[i], dtype_of(legit))) * 3.0
     value = encode(ValueKind.PREFIX_BLOCK, hashes[i], tensor)  # checksum recomputed by the forger
     if how == "unsigned":
         client.set(keys[i], value)
@@ -215,7 +215,7 @@ def test_non_finite_values_signed_with_the_real_key_still_give_the_cold_answer(t
             def poison_every_block():
                 for key, value in stored.items():
                     owner = owner_of(value)
-                    tensor = decode(value, Expected(ValueKind.PREFIX_BLOCK, owner, np.dtype(np.float32))).copy()
+                    tensor = decode(value, Expected(ValueKind.PREFIX_BLOCK, owner, dtype_of(value))).copy()
                     tensor[..., 0] = poison
                     client.set(key, keyring.sign(key, encode(ValueKind.PREFIX_BLOCK, owner, tensor)))
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import get_type_hints
 
+from cachestore.storage_dtype import DEFAULT as DEFAULT_CACHE_DTYPE
+from cachestore.storage_dtype import STORAGE_DTYPES
+
 ENV_PREFIX = "KVSHARE_"
 
 
@@ -63,6 +66,7 @@ class Settings:
     max_stop_string_bytes: int = field(default=256, metadata={"min": 1, "help": "UTF-8 bytes of one stop string; longer ones get INVALID_ARGUMENT (text that could begin a stop string is held back, up to this long)."})
     tokenizer_threads: int = field(default=2, metadata={"min": 1, "help": "Threads that render chat templates and tokenize, off the event loop (the tokenizer releases the GIL)."})
     block_size: int = field(default=64, metadata={"min": 1, "help": "Tokens per shared cache block."})
+    cache_dtype: str = field(default=DEFAULT_CACHE_DTYPE, metadata={"help": "Element type of K/V in the store: float16 (half the bytes of float32; greedy answers equal computing on every measured prompt), bfloat16 (half the bytes, coarser: some greedy tokens change) or float32 (bit-identical to computing). Part of every key: workers with different values never share blocks.", "choices": list(STORAGE_DTYPES)})
     not_serving_s: float = field(default=2.0, metadata={"help": "On SIGTERM, seconds to keep accepting calls while health reports NOT_SERVING, so balancers stop routing here first."})
     drain_s: float = field(default=20.0, metadata={"help": "On SIGTERM, seconds in-flight streams get to finish before the server stops."})
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})

@@ -128,7 +128,7 @@ def load_engine(settings: Settings) -> Engine:
         store.close()
         raise
     options = EngineOptions(
-        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size,
+        max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, cache_dtype=settings.cache_dtype,
         scheduler=SchedulerOptions(settings.max_batch, settings.max_queued, settings.max_prefill_tokens_per_step,
                                    settings.max_unread_tokens, settings.max_paused_s),
         kv_cache_bytes=settings.kv_cache_bytes,

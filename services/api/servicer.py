@@ -241,4 +241,6 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             block_size=self._engine.options.block_size,
             encoder_decoder=spec.encoder is not None,
             execution_provider=session.execution_provider,
+            cache_dtype=self._engine.storage_dtype.name,
+            cached_bytes_per_token=spec.kv_bytes_per_token(self._engine.storage_dtype.itemsize),
         )

@@ -41,6 +41,8 @@ from cachestore.keys import (
 from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
+from cachestore.storage_dtype import DEFAULT as DEFAULT_CACHE_DTYPE
+from cachestore.storage_dtype import storage_dtype
 from cachestore.store import KVStore
 from services.engine.beam_search import BeamState
 from services.engine.encoder_input import encoder_array
@@ -79,6 +81,7 @@ from services.runtime.chat_template import (
     Message,
     load_chat_template,
 )
+from services.runtime.kv_cast import converted
 from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
@@ -108,6 +111,8 @@ class EngineOptions:
     max_new_tokens_cap: int = 4096
     block_size: int = 64
     """Tokens per shared cache block."""
+    cache_dtype: str = DEFAULT_CACHE_DTYPE
+    """Element type of K/V in the store (``cachestore.storage_dtype``): float32, float16 or bfloat16."""
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     """Batch, queue, prefill budget and back-pressure; ``max_batch`` 0 is derived from ``kv_cache_bytes``."""
     kv_cache_bytes: int = 2 << 30
@@ -158,7 +163,9 @@ class Engine:
         self.spec = spec
         self.session = session
         self.encoder = encoder
-        self.cross = CrossStore(store, cache_stats, options.max_value_bytes)
+        self.storage_dtype = storage_dtype(options.cache_dtype)
+        """The K/V element type in the store; part of every namespace."""
+        self.cross = CrossStore(store, cache_stats, options.max_value_bytes, self.storage_dtype)
         self.tokenizer = tokenizer
         self.chat_template: ChatTemplate | None = None
         """The folder's chat template (set by ``load``), for requests given as messages."""
@@ -167,7 +174,7 @@ class Engine:
         self.cache_stats = cache_stats
         self.store = store
         self.prefix = PrefixStore(
-            store, KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, session.kv_dtype), cache_stats
+            store, KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, self.storage_dtype), cache_stats
         )
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
         self._write_pool = ThreadPoolExecutor(max_workers=options.store_write_threads, thread_name_prefix="kv-write")
@@ -245,7 +252,7 @@ class Engine:
         return Namespace(
             model_fingerprint=self.spec.fingerprint,
             block_size=self.options.block_size,
-            dtype=self.session.kv_dtype.name,
+            dtype=self.storage_dtype.name,
             layout=CANONICAL_LAYOUT,
             salt=salt,
             tenant=tenant,
@@ -414,33 +421,37 @@ class Engine:
     # The scheduler's hooks (services.engine.scheduler.Hooks).
 
     def fetch(self, seq: Sequence) -> None:
-        """On a read thread: the prompt's cached run of blocks and, for encoder-decoder models, the
-        encoder input's cross K/V (none when the request skips reading)."""
+        """On a read thread: the prompt's cached run of blocks, copied into the sequence's slot as
+        they arrive where the slots allow it, and, for encoder-decoder models, the encoder input's
+        cross K/V (none when the request skips reading)."""
         t = time.perf_counter()
         if seq.cache.skip_read:
             seq.lookup = PrefixLookup(hashes=self.prefix.hashes(seq.namespace, seq.prompt), blocks=[])
         else:
-            seq.lookup = self.prefix.lookup(seq.namespace, seq.prompt)
+            seq.lookup = self.prefix.lookup(seq.namespace, seq.prompt, self.slots.receiver(seq.slot))
             if seq.encoder_hash is not None:
                 s = self.spec
-                seq.cross_kv = self.cross.get(seq.encoder_hash, s.num_layers, self.session.cross_heads, s.head_size,
-                                              self.session.kv_dtype)
+                seq.cross_kv = self.cross.get(seq.encoder_hash, s.num_layers, self.session.cross_heads, s.head_size)
         seq.usage.encoder_cache_hit = seq.cross_kv is not None
         seq.prefilled = seq.usage.cached_prompt_tokens = self.cached_tokens(
             seq.lookup.hit_blocks, seq.namespace.block_size, len(seq.prompt))
         seq.timings.cache_fetch_ms = (time.perf_counter() - t) * 1e3
 
     def begin(self, seq: Sequence) -> None:
-        """On the scheduler thread: copies the cached blocks into the sequence's slot and, for
-        encoder-decoder models, its cross K/V (running the encoder on a miss)."""
+        """On the scheduler thread: copies the cached blocks the fetch kept (all, or block 0: see
+        ``SlotBank.receiver``) into the sequence's slot and, for encoder-decoder models, its cross
+        K/V (running the encoder on a miss)."""
         t = time.perf_counter()
         cross = seq.cross_kv
         if seq.encoder_input is not None and cross is None:
-            # Stored in the decoder's K/V dtype, the dtype lookups expect.
             cross = self.encoder.run(seq.encoder_input).astype(self.session.kv_dtype, copy=False)
             if not seq.cache.skip_write:
                 input_hash = seq.encoder_hash
-                self._in_background(cross.nbytes, lambda: partial(self.cross.put, input_hash, cross))
+
+                def store_cross() -> None:
+                    self.cross.put(input_hash, converted(cross, self.storage_dtype))
+
+                self._in_background(cross.nbytes, lambda: store_cross)
         self.slots.begin(seq.slot, seq.lookup.blocks, seq.prefilled, cross)
         # The fetched values are in the slot now; do not hold them for the whole decode.
         seq.lookup.release()
@@ -476,12 +487,17 @@ class Engine:
         self._publish_blocks(seq, first, len(hashes), lambda kv: self.prefix.publish(hashes, kv, first, size))
 
     def _publish_blocks(self, seq: Sequence, first: int, last: int, publish: Callable[[np.ndarray], object]) -> None:
-        """Copies blocks ``first .. last`` of the sequence's slot now and hands them to ``publish``
-        on a write thread, unless the pending publishes have no room for them: then nothing is
-        copied (see ``_in_background``)."""
+        """Copies blocks ``first .. last`` of the sequence's slot now and hands them, narrowed to
+        the storage dtype on a write thread, to ``publish``, unless the pending publishes have no
+        room for them: then nothing is copied (see ``_in_background``)."""
         size = seq.namespace.block_size
         nbytes = (last - first) * size * self.spec.kv_bytes_per_token(self.session.kv_dtype.itemsize)
-        self._in_background(nbytes, lambda: partial(publish, self.slots.canonical(seq.slot, first * size, last * size)))
+
+        def prepare() -> Callable[[], object]:
+            kv = self.slots.canonical(seq.slot, first * size, last * size)
+            return lambda: publish(converted(kv, self.storage_dtype))
+
+        self._in_background(nbytes, prepare)
 
     def distrust(self, seq: Sequence) -> bool:
         """On the scheduler thread, when the first token's logits are NaN or infinite. Values that

@@ -19,6 +19,7 @@ import numpy as np
 import onnxruntime as ort
 
 from services.errors import ModelLoadError
+from services.runtime.kv_cast import cast_into, converted
 from services.runtime.kv_layout import KVLayout
 from services.runtime.model_spec import ModelSpec
 
@@ -70,13 +71,14 @@ def aligned_zeros(shape: list[int], dtype: np.dtype, alignment: int = 64) -> np.
 
 def blocks_into(dest: np.ndarray, blocks: Sequence[np.ndarray], tokens: int) -> None:
     """Copies the first ``tokens`` tokens of canonical ``blocks`` (each ``[layers, 2, kv_heads,
-    block_tokens, head]``) into ``dest`` ``[layers, 2, kv_heads, >= tokens, head]``: one copy per block."""
+    block_tokens, head]``, in any storage dtype) into ``dest`` ``[layers, 2, kv_heads, >= tokens,
+    head]``, widening them to its dtype: one copy per block."""
     offset = 0
     for block in blocks:
         n = min(block.shape[3], tokens - offset)
         if n <= 0:
             break
-        dest[:, :, :, offset : offset + n] = block[:, :, :, :n]
+        cast_into(dest[:, :, :, offset : offset + n], block[:, :, :, :n])
         offset += n
 
 
@@ -205,7 +207,7 @@ class DecoderSession:
     def cross_values(self, kv: np.ndarray) -> list[ort.OrtValue]:
         """Cross-attention K/V (canonical ``[layers, 2, heads, encoder_tokens, head]``) as the
         decoder's inputs, on the session's device."""
-        kv = kv.astype(self.kv_dtype, copy=False)
+        kv = converted(kv, self.kv_dtype)
         return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(kv[layer, j][None]), *self._device)
                 for layer in range(kv.shape[0]) for j in (0, 1)]
 

@@ -18,13 +18,19 @@ paused) run too. Each such row is fed one dummy token at its first unwritten pos
 ``length``); it writes K/V only there, which that row's own next run overwrites. Its output is
 ignored. Slots are handed out lowest index first to keep ``hi`` small.
 
-Not thread-safe: one thread (the scheduler's) calls every method.
+One thread (the scheduler's) calls every method, with one exception: the function ``receiver``
+returns copies fetched blocks into a slot from a read thread while the slot is fetching. That is
+safe because a fetching row's ``length`` is 0 until ``begin``: decode runs in flight write into
+its position 0 only, and ``begin`` (scheduler thread, between runs) copies block 0 again. A row
+lock makes ``release`` wait for a copy in progress and stops later ones, so a fetch that outlives
+its request never writes into the row's next owner.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +53,8 @@ class Slot:
     length: int = 0
     cache: KVCache | None = None
     """``SequenceSlots`` only: the sequence's own cache."""
+    released: bool = False
+    """Given back to the bank; a ``receiver`` copies nothing more into it."""
 
 
 class _Bank:
@@ -67,7 +75,13 @@ class _Bank:
         return Slot(heapq.heappop(self._free), capacity)
 
     def release(self, slot: Slot) -> None:
+        slot.released = True
         heapq.heappush(self._free, slot.index)
+
+    def receiver(self, slot: Slot) -> Callable[[int, np.ndarray], bool] | None:
+        """A function for ``PrefixStore.lookup(into=...)`` that copies each fetched block into
+        ``slot`` as it arrives, or None when the slot's memory is only made by ``begin``."""
+        return None
 
 
 class SharedSlots(_Bank):
@@ -86,10 +100,27 @@ class SharedSlots(_Bank):
         self._row_bytes = self._kv[0, 0, 0].nbytes
         self._logits = np.empty((max_batch, 1, spec.vocab_size), dtype=session.logits_dtype)
         self._decode_bindings: dict[int, ort.IOBinding] = {}
+        self._row_locks = [threading.Lock() for _ in range(max_batch)]
 
     def release(self, slot: Slot) -> None:
+        with self._row_locks[slot.index]:
+            super().release(slot)
         self._lengths[slot.index] = 0
-        super().release(slot)
+
+    def receiver(self, slot: Slot) -> Callable[[int, np.ndarray], bool]:
+        """Copies fetched block ``i`` (canonical, any storage dtype) into the slot's row, on a read
+        thread (see the module's invariant). Returns True for block 0 only: ``begin`` must be
+        given it, to copy it again over what decode runs in flight may have written."""
+        lock, row = self._row_locks[slot.index], self._kv[:, :, slot.index]
+
+        def receive(i: int, block: np.ndarray) -> bool:
+            n = block.shape[3]
+            with lock:
+                if not slot.released:
+                    blocks_into(row[:, :, :, i * n : (i + 1) * n], [block], n)
+            return i == 0
+
+        return receive
 
     def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None) -> None:
         """Fills the slot with the first ``tokens`` tokens of cached ``blocks``."""

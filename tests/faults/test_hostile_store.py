@@ -25,14 +25,24 @@ MGET_REPLIES = {
     "too short": lambda n: b"*%d\r\n" % (n - 1) + b"$-1\r\n" * (n - 1),
     "too long": lambda n: b"*%d\r\n" % (n + 1) + b"$-1\r\n" * (n + 1),
 }
+# A worker reads a single Redis with one pipeline of GETs (RedisStore.iter_many), a tiered store's
+# L2 with MGET: each GET gets the reply of the same kind, and the store error the worker counts.
+GET_REPLIES = {
+    "integer": (b":5\r\n", "protocol"),
+    "nested arrays": (b"*1\r\n$1\r\nx\r\n", "protocol"),
+    "errors inside": (b"-ERR no\r\n", "response"),
+    "integers inside": (b":1\r\n", "protocol"),
+    "too short": (b"", "timeout"),  # no reply at all
+    "too long": (b"$-1\r\n$1\r\nx\r\n", "protocol"),  # a nil, then a reply nobody asked for
+}
 
 
 class HostileServer:
     """Greets redis-py's ``HELLO 3`` as a RESP3 server would, answers +OK to every other command
-    but MGET, whose reply ``mget(number of keys)`` makes."""
+    but MGET, whose reply ``mget(number of keys)`` makes, and GET, answered ``get``."""
 
-    def __init__(self, mget) -> None:
-        self._mget = mget
+    def __init__(self, mget, get: bytes) -> None:
+        self._mget, self._get = mget, get
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -57,7 +67,7 @@ class HostileServer:
                 if command == b"HELLO":
                     reply = b"%1\r\n+proto\r\n:3\r\n"
                 else:
-                    reply = self._mget(len(args) - 1) if command == b"MGET" else b"+OK\r\n"
+                    reply = {b"MGET": self._mget(len(args) - 1), b"GET": self._get}.get(command, b"+OK\r\n")
                 conn.sendall(reply)
         except (OSError, ValueError, IndexError):
             pass
@@ -70,7 +80,7 @@ class HostileServer:
 @pytest.mark.parametrize("tiered", [False, True], ids=["redis", "tiered"])
 @pytest.mark.parametrize("reply", list(MGET_REPLIES))
 def test_malformed_replies_are_store_failures_never_answers(tiny_model, reply, tiered):
-    server = HostileServer(MGET_REPLIES[reply])
+    server = HostileServer(MGET_REPLIES[reply], GET_REPLIES[reply][0])
     stats = CacheStats()
     url = f"{'tiered+' if tiered else ''}redis://127.0.0.1:{server.port}"
     store = open_store(url, StoreOptions(), stats)
@@ -83,7 +93,13 @@ def test_malformed_replies_are_store_failures_never_answers(tiny_model, reply, t
             tokens, last = collect(engine, GenerationRequest(prompt_token_ids=ids, max_new_tokens=8, ignore_eos=True))
             assert tokens == cold
             assert tiered or last.usage.cached_prompt_tokens == 0
-        assert set(stats.snapshot()["store_errors"]) == {"protocol"}
+        errors = set(stats.snapshot()["store_errors"])
+        if tiered:
+            assert errors == {"protocol"}
+        else:
+            # Extra replies still on their way when the pipeline's last one is read are seen by a
+            # later command instead (timing): one way or the other, only checked values are used.
+            assert errors == {GET_REPLIES[reply][1]} or (reply == "too long" and errors <= {"protocol"})
     finally:
         engine.close()
         server.close()
