@@ -1,13 +1,16 @@
-"""Bytes per second of the worker's fetch path against plain redis-py GETs of the same values.
+"""Bytes per second of the worker's fetch path against plain redis-py reads of the same stored
+values, for each storage dtype (--cache-dtype).
 
 The fetch path is what a warm request pays before running its suffix: one batched read of the
-prefix's block keys, every value's header and checksum checked, and the model's past assembled
-from them (``PrefixStore.lookup`` + ``DecoderSession.cache_from_blocks``). The baseline is an
-``MGET`` of the same keys over the same kind of connection, doing nothing with the bytes (the
-strict baseline), and the same values read with one ``GET`` per key. Also measured: the tiered
-store with its memory L1 already holding the blocks.
+prefix's block keys, every value's header, checksum and range checked, and the blocks widened
+into the request's slot as they arrive (``PrefixStore.lookup`` with the slot's receiver, then
+``SlotBank.begin``: the engine's own calls).
+The baselines read the same stored bytes and do nothing with them: one ``MGET`` (the target's
+baseline), and one pipeline of ``GET``s whose replies are read and dropped one by one (the
+cheapest way redis-py can move them). Also measured: the tiered store with its memory L1 already
+holding the blocks.
 
-    .venv/bin/python -m bench.fetch [--smoke]
+    .venv/bin/python -m bench.fetch [--smoke] [--model DIR]
 """
 
 from __future__ import annotations
@@ -21,16 +24,28 @@ import redis
 from bench.fleet import bench_model, median, parse_args, print_table
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import block_key
-from cachestore.prefix import KVGeometry, PrefixStore
+from cachestore.prefix import PrefixStore
 from cachestore.stats import CacheStats
+from cachestore.storage_dtype import STORAGE_DTYPES
 from services.engine.engine import Engine, EngineOptions
 from services.local.redis_process import RedisServer
 
 
-def timed(fn) -> tuple[float, object]:
+def timed(fn) -> float:
     t0 = time.perf_counter()
-    result = fn()
-    return time.perf_counter() - t0, result
+    fn()
+    return time.perf_counter() - t0
+
+
+def pipelined_gets(client: redis.Redis, keys: list[str]) -> None:
+    """Every GET sent at once, each reply read and dropped before the next (one value held)."""
+    connection = client.connection_pool.get_connection()
+    try:
+        connection.send_packed_command(connection.pack_commands([("GET", k) for k in keys]))
+        for _ in keys:
+            connection.read_response()
+    finally:
+        client.connection_pool.release(connection)
 
 
 def main() -> int:
@@ -38,40 +53,48 @@ def main() -> int:
     model = bench_model(args)
     tokens, runs = (256, 3) if args.smoke else (2048, 15)
     ids = model.random_ids(np.random.default_rng(2), tokens)
+    rows, bytes_per_token = [], []
     with RedisServer() as server:
-        stats = CacheStats()
-        engine = Engine.load(model.folder, EngineOptions(), open_store(server.url, StoreOptions(), stats), stats,
-                             "cpu", 2)
-        session, namespace = engine.session, engine.namespace("")
-        geometry = KVGeometry(engine.spec.num_layers, engine.spec.num_kv_heads, engine.spec.head_size, session.kv_dtype)
-        hashes = engine.prefix.hashes(namespace, ids)
-        kv = np.random.default_rng(3).standard_normal(geometry.block_shape(tokens), dtype=np.float32)
-        engine.prefix.publish(hashes, kv, 0, namespace.block_size)
-        keys = [block_key(h) for h in hashes]
         plain = redis.Redis.from_url(server.url)
-        tiered = PrefixStore(open_store("tiered+" + server.url, StoreOptions(), CacheStats()), geometry, CacheStats())
+        for name in STORAGE_DTYPES:
+            stats = CacheStats()
+            engine = Engine.load(model.folder, EngineOptions(cache_dtype=name),
+                                 open_store(server.url, StoreOptions(), stats), stats, "cpu", 2)
+            namespace, geometry = engine.namespace(""), engine.prefix.geometry
+            hashes = engine.prefix.hashes(namespace, ids)
+            kv = np.random.default_rng(3).standard_normal(geometry.block_shape(tokens), dtype=np.float32)
+            engine.prefix.publish(hashes, kv, 0, namespace.block_size)
+            keys = [block_key(h) for h in hashes]
+            tiered = PrefixStore(open_store("tiered+" + server.url, StoreOptions(), CacheStats()), geometry, CacheStats())
+            slot = engine.slots.acquire(tokens + 1)
 
-        def fetch_path(prefix: PrefixStore):
-            lookup = prefix.lookup(namespace, ids)
-            assert lookup.hit_blocks == len(hashes)
-            return session.cache_from_blocks(lookup.blocks, tokens, tokens + 1)
+            def fetch_path(prefix: PrefixStore):
+                lookup = prefix.lookup(namespace, ids, engine.slots.receiver(slot))
+                assert lookup.hit_blocks == len(hashes)
+                engine.slots.begin(slot, lookup.blocks, tokens)
 
-        payload = sum(len(v) for v in plain.mget(keys))
-        fetch_path(tiered)  # fills the L1
-        times: dict[str, list[float]] = {
-            "plain MGET": [], "plain GETs, one per key": [], "kvshare fetch path": [], "tiered, warm L1": []}
-        for _ in range(runs):
-            times["plain MGET"].append(timed(lambda: plain.mget(keys))[0])
-            times["plain GETs, one per key"].append(timed(lambda: [plain.get(k) for k in keys])[0])
-            times["kvshare fetch path"].append(timed(lambda: fetch_path(engine.prefix))[0])
-            times["tiered, warm L1"].append(timed(lambda: fetch_path(tiered))[0])
-        engine.close()
+            payload = sum(len(v) for v in plain.mget(keys))
+            bytes_per_token.append((name, engine.spec.kv_bytes_per_token(engine.storage_dtype.itemsize),
+                                    f"{payload / tokens:.0f}"))
+            fetch_path(tiered)  # fills the L1
+            times: dict[str, list[float]] = {"plain MGET": [], "plain GET pipeline, replies dropped": [],
+                                             "kvshare fetch path": [], "tiered, warm L1": []}
+            for _ in range(runs):
+                times["plain MGET"].append(timed(lambda: plain.mget(keys)))
+                times["plain GET pipeline, replies dropped"].append(timed(lambda: pipelined_gets(plain, keys)))
+                times["kvshare fetch path"].append(timed(lambda: fetch_path(engine.prefix)))
+                times["tiered, warm L1"].append(timed(lambda: fetch_path(tiered)))
+            engine.slots.release(slot)
+            engine.close()
+            base = payload / median(times["plain MGET"])
+            rows += [(name, path, f"{payload / 2**20:.1f}", median(t) * 1e3, payload / median(t) / 1e9,
+                      payload / median(t) / base) for path, t in times.items()]
         plain.close()
-    base = payload / median(times["plain MGET"])
-    rows = [(name, f"{payload / 2**20:.1f}", median(t) * 1e3, payload / median(t) / 1e9, payload / median(t) / base)
-            for name, t in times.items()]
-    print_table(f"{model.name} model, {tokens}-token prefix in {len(keys)} blocks, loopback Redis; medians of {runs} runs",
-                ("path", "MiB", "ms", "GB/s", "× plain MGET"), rows)
+    print_table(f"{model.name} model, {tokens}-token prefix in {tokens // EngineOptions().block_size} blocks, loopback Redis; medians of "
+                f"{runs} runs; GB/s of stored bytes", ("storage dtype", "path", "stored MiB", "ms", "GB/s",
+                                                     "× plain MGET"), rows)
+    print_table("Redis value bytes per cached token (K/V payload + headers)",
+                ("storage dtype", "K/V bytes/token", "stored bytes/token"), bytes_per_token)
     return 0
 
 

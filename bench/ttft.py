@@ -9,11 +9,12 @@ With ``--model`` a folder with a chat template (e.g. SmolLM2 from `kvshare fetch
 a row for the demo's case: the demo's support manual as system message, a different question on
 each replica (a fresh first line per run, so that each cold run is cold).
 
-    .venv/bin/python -m bench.ttft [--smoke] [--model DIR] [--plot PATH]
+    .venv/bin/python -m bench.ttft [--smoke] [--model DIR] [--plot PATH] [--cache-dtype float32|float16|bfloat16]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -31,6 +32,7 @@ from bench.fleet import (
     warm,
     warm_up,
 )
+from cachestore.storage_dtype import DEFAULT, STORAGE_DTYPES
 from kvshare.v1 import generator_pb2 as pb
 from services.local.demo import QUESTIONS, system_prompt
 from services.runtime.chat_template import load_chat_template
@@ -82,12 +84,17 @@ def plot(rows: list[tuple], path: Path, title: str) -> None:
 
 
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument("--plot", type=Path, default=None))
+    def options(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--plot", type=Path, default=None)
+        parser.add_argument("--cache-dtype", choices=list(STORAGE_DTYPES), default=DEFAULT,
+                            help="the workers' --cache-dtype (default: the worker's default)")
+
+    args = parse_args(__doc__.splitlines()[0], options)
     model = bench_model(args)
     lengths, runs = ((64, 128, 256), 2) if args.smoke else ((256, 512, 1024, 2048, 3072), 5)
     rng = np.random.default_rng(0)
     rows, demo_row = [], None
-    with fleet(model) as f:
+    with fleet(model, extra_args=("--cache-dtype", args.cache_dtype)) as f:
         a, b = f.stubs
         warm_up(f.stubs, model.random_ids(rng, max(lengths) + QUESTION_TOKENS))
         for length in lengths:
@@ -103,7 +110,8 @@ def main() -> int:
         if load_chat_template(model.folder) is not None:
             demo_row = demo_manual_row(f, runs)
             print(f"demo manual: cold {demo_row[1]:.1f} ms, warm {demo_row[2]:.1f} ms", flush=True)
-    title = f"{model.name} model, 2 replicas on one Redis, block {f.block_size}; medians of {runs} runs"
+    title = (f"{model.name} model, 2 replicas on one Redis, block {f.block_size}, {args.cache_dtype} K/V in the store; "
+             f"medians of {runs} runs")
     table = rows + ([("demo manual " + str(demo_row[0]), *demo_row[1:])] if demo_row else [])
     print_table(title, ("prefix tokens", "cold TTFT ms", "warm TTFT ms", "warm fetch ms", "warm/cold"), table)
     plot(rows, args.plot or DEFAULT_PLOT, title)
