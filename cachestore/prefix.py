@@ -87,7 +87,7 @@ class PrefixStore:
         expected = Expected(ValueKind.PREFIX_BLOCK, b"", self.geometry.dtype, self.geometry.block_shape(namespace.block_size),
                             self.store.authenticated)
         kept: list[np.ndarray] = []
-        hits = 0
+        hits, rejected = 0, []
         values = self.store.iter_many(keys)
         try:
             for h, key, value in zip(hashes, keys, values, strict=False):
@@ -98,14 +98,16 @@ class PrefixStore:
                 except CodecError as exc:
                     self.stats.count("rejected_values", exc.reason)
                     _rejected.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
-                    self.store.delete([key])
+                    rejected.append(key)
                     break
                 self.stats.add(bytes_read=len(value))
                 if into is None or into(hits, block):
                     kept.append(block)
                 hits += 1
         finally:
-            values.close()
+            values.close()  # hands the stream's connection back before the delete needs one
+        if rejected:
+            self.store.delete(rejected)
         self.stats.add(block_hits=hits, block_misses=len(hashes) - hits)
         return PrefixLookup(hashes=hashes, blocks=kept, hit_blocks=hits)
 

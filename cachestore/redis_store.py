@@ -34,6 +34,17 @@ def _values(reply: object, count: int) -> list[bytes | None]:
     return reply
 
 
+def _more_to_read(connection: redis.connection.AbstractConnection) -> bool:
+    """Whether bytes wait on ``connection`` after the replies asked for: the server is out of step.
+    A connection the server closed after its last reply holds nothing more; it is dropped here,
+    and the replies already read stand."""
+    try:
+        return connection.can_read(timeout=0)
+    except (redis.ConnectionError, OSError):
+        connection.disconnect()
+        return False
+
+
 # First match wins: authentication errors are connection errors to redis-py, OOM a response error.
 _ERROR_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
     ("timeout", redis.TimeoutError),
@@ -125,12 +136,12 @@ class RedisStore(KVStore):
                 if not unread:
                     break
                 value = reply()
-            clean = not connection.can_read(timeout=0)
+            clean = not _more_to_read(connection)
         except GeneratorExit:
             while unread:
                 reply()
                 unread -= 1
-            clean = not connection.can_read(timeout=0)
+            clean = not _more_to_read(connection)
             if clean:
                 raise
         finally:

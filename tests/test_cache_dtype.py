@@ -4,6 +4,7 @@ that never mix dtypes, and answers over half-size K/V against computing the prom
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -171,3 +172,67 @@ def test_answers_over_stored_kv_equal_computing_the_prompt(tiny_model, name):
         warm.close()
         cold.close()
     note_margin(f"24 greedy tokens over {name} stored K/V, 6 prompts (tiny)", relied_on[name])
+
+
+@pytest.mark.parametrize("model_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("name", list(STORAGE_DTYPES))
+def test_every_stored_dtype_widens_into_every_model_dtype(model_dtype, name):
+    """A block in any storage dtype lands in a slot of the model's K/V dtype (strided, as a slot
+    row is) with the values numpy's own conversion gives; publishing converts the other way."""
+    from services.runtime.kv_cast import cast_into, converted
+
+    stored = converted(BLOCK, STORAGE_DTYPES[name])
+    assert stored.dtype == STORAGE_DTYPES[name] and np.array_equal(stored.view(np.uint8),
+                                                                    BLOCK.astype(STORAGE_DTYPES[name]).view(np.uint8))
+    slot = np.zeros((2, 2, 2, 3 * B, 8), model_dtype)
+    cast_into(slot[:, :, :, B : 2 * B], stored)
+    assert np.array_equal(slot[:, :, :, B : 2 * B], stored.astype(np.float32).astype(model_dtype))
+    assert not slot[:, :, :, :B].any() and not slot[:, :, :, 2 * B :].any()
+
+
+@pytest.fixture(scope="module")
+def float16_kv_model(tiny_model, tmp_path_factory) -> Path:
+    """The tiny model with float16 past and present K/V, as fp16 exports have (it computes in
+    float32 between Cast nodes)."""
+    import shutil
+
+    import onnx
+    from onnx import TensorProto, helper
+
+    folder = tmp_path_factory.mktemp("fp16kv") / "model"
+    shutil.copytree(tiny_model, folder)
+    model = onnx.load(str(folder / "model.onnx"))
+    graph, before, after = model.graph, [], []
+    for value in graph.input:
+        if value.name.startswith("past_key_values"):
+            for node in graph.node:
+                node.input[:] = [value.name + "_f32" if x == value.name else x for x in node.input]
+            before.append(helper.make_node("Cast", [value.name], [value.name + "_f32"], to=TensorProto.FLOAT))
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    for value in graph.output:
+        if value.name.startswith("present"):
+            for node in graph.node:
+                node.output[:] = [value.name + "_f32" if x == value.name else x for x in node.output]
+            after.append(helper.make_node("Cast", [value.name + "_f32"], [value.name], to=TensorProto.FLOAT16))
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+    nodes = [*before, *graph.node, *after]
+    del graph.node[:]
+    graph.node.extend(nodes)
+    onnx.save(model, str(folder / "model.onnx"))
+    return folder
+
+
+@pytest.mark.parametrize("name", list(STORAGE_DTYPES))
+def test_a_float16_kv_model_answers_over_each_stored_dtype_as_computing(float16_kv_model, name):
+    store = MemoryStore(64 << 20)
+    warm, cold = engine(float16_kv_model, store, name), engine(float16_kv_model, MemoryStore(1 << 20), name)
+    try:
+        assert warm.session.kv_dtype == np.float16
+        for ids in PROMPTS[:3]:
+            generate(warm, ids)
+            tokens, last = generate(warm, ids)
+            assert last.usage.cached_prompt_tokens == 6 * B
+            assert tokens == generate(cold, ids)[0]
+    finally:
+        warm.close()
+        cold.close()

@@ -94,3 +94,30 @@ def test_a_fetch_that_outlives_its_slot_writes_nothing_into_the_next_owner(engin
     receive(1, np.full(g.block_shape(B), 7.0, np.float16))
     assert np.array_equal(slots.canonical(again, 0, B), row_before)
     assert not np.any(slots.canonical(again, 0, 2 * B) == 7.0)
+
+
+def test_a_value_rejected_mid_stream_is_deleted_even_with_a_one_connection_pool(tiny_model, redis_url, redis_server):
+    """The stream holds its pool connection until it is closed: the rejected value's delete comes
+    after, so a pool of one connection (fewer than the read threads) still deletes it at once."""
+    from cachestore.codec import Expected, ValueKind, decode, dtype_of, encode
+    from cachestore.keys import block_key
+
+    stats = CacheStats()
+    store = open_store(redis_url, StoreOptions(max_connections=1), stats)
+    e = Engine.load(tiny_model, EngineOptions(block_size=B), store, stats, "cpu", 2)
+    try:
+        ids = np.random.default_rng(6).integers(3, 500, size=5 * B).tolist()
+        prefix, namespace = e.prefix, e.namespace("")
+        hashes = prefix.hashes(namespace, ids)
+        prefix.publish(hashes, np.ones(prefix.geometry.block_shape(5 * B), np.float32), 0, B)
+        key = block_key(hashes[2])
+        with redis_server.client() as client:
+            value = client.get(key)
+            tensor = decode(value, Expected(ValueKind.PREFIX_BLOCK, hashes[2], dtype_of(value))).copy()
+            tensor[0, 0, 0, 0, 0] = np.nan
+            client.set(key, encode(ValueKind.PREFIX_BLOCK, hashes[2], tensor))
+            assert prefix.lookup(namespace, ids).hit_blocks == 2
+            assert client.get(key) is None, "the rejected value was deleted"
+        assert stats.store_errors == {} and stats.rejected_values == {"non_finite": 1}
+    finally:
+        e.close()

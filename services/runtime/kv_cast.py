@@ -79,9 +79,11 @@ def _scratch(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
 
 
 def cast_into(dest: np.ndarray, block: np.ndarray) -> None:
-    """``dest[...] = block`` with the element type converted (``dest`` may be strided)."""
+    """``dest[...] = block`` with the element type converted (``dest`` may be strided). Any pair
+    of storage and model dtypes converts, narrowing ones too (bfloat16 stored for a float16
+    model): values passed the codec's range check, so they are within float16's range."""
     if block.dtype == dest.dtype or not _by_ort(block.dtype, dest.dtype):
-        np.copyto(dest, block)
+        np.copyto(dest, block, casting="unsafe")
         return
     scratch = _scratch(block.shape, dest.dtype)
     _ort_cast(np.ascontiguousarray(block), scratch)
