@@ -50,7 +50,8 @@ def _ort_cast(src: np.ndarray, out: np.ndarray) -> None:
     bindings = _local.__dict__.setdefault("bindings", {})
     pair = (src.dtype, out.dtype)
     if pair not in bindings:  # one binding per thread and pair, bound again to each call's memory
-        bindings[pair] = (_cast_session(*pair), _cast_session(*pair).io_binding())
+        session = _cast_session(*pair)
+        bindings[pair] = (session, session.io_binding())
     session, binding = bindings[pair]
     binding.bind_input("x", "cpu", 0, src.dtype.type, [src.size], src.ctypes.data)
     binding.bind_output("y", "cpu", 0, out.dtype.type, [out.size], out.ctypes.data)
