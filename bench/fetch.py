@@ -87,7 +87,7 @@ def main() -> int:
             engine.slots.release(slot)
             engine.close()
             base = payload / median(times["plain MGET"])
-            rows += [(name, path, f"{payload / 2**20:.1f}", median(t) * 1e3, payload / median(t) / 1e9,
+            rows += [(name, path, f"{payload / 2**20:.2f}", median(t) * 1e3, payload / median(t) / 1e9,
                       payload / median(t) / base) for path, t in times.items()]
         plain.close()
     print_table(f"{model.name} model, {tokens}-token prefix in {tokens // EngineOptions().block_size} blocks, loopback Redis; medians of "

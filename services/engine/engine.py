@@ -192,6 +192,8 @@ class Engine:
         """Called on the event loop once per request that ends: (sequence, outcome, seconds taken)."""
         self.slots = open_slots(session, scheduling.max_batch, spec.context_length)
         self.scheduler = Scheduler(self.slots, scheduling, self, self._read_pool)
+        log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype; the model's own K/V is %s)",
+                 self.storage_dtype.name, spec.kv_bytes_per_token(self.storage_dtype.itemsize), session.kv_dtype.name)
         log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", scheduling.max_batch,
                  "one batched decode run per step" if self.slots.batched
                  else "each row runs batch 1: no shared GQA past/present buffer in host memory for this graph",
