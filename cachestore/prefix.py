@@ -54,12 +54,8 @@ class PrefixLookup:
     blocks: list[np.ndarray]
     """Canonical K/V of the run's blocks that the lookup's ``into`` kept (all of them without
     one): read-only views of the fetched values, no copy. Emptied by ``release``."""
-    hit_blocks: int = -1
-    """Length of the run found (kept after ``release``); -1 means ``len(blocks)``."""
-
-    def __post_init__(self) -> None:
-        if self.hit_blocks < 0:
-            self.hit_blocks = len(self.blocks)
+    hit_blocks: int = 0
+    """Length of the run found (kept after ``release``)."""
 
     def release(self) -> None:
         """Drops the fetched values (they are in the slot now), keeping what was found."""

@@ -1,7 +1,7 @@
 """The element type cached K/V is stored in, apart from the model's own K/V dtype.
 
-A worker narrows its K/V to the storage dtype when it publishes and widens stored values straight
-into a slot when it fetches (numpy casts during the copy, so no full-size intermediate is made).
+A worker narrows its K/V to the storage dtype when it publishes and widens stored values into a
+slot block by block when it fetches, so no request-sized intermediate is made.
 The storage dtype is part of every key's namespace: workers storing different dtypes never read
 each other's values, and the codec refuses a value whose dtype code is not the one expected.
 

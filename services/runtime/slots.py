@@ -18,8 +18,8 @@ paused) run too. Each such row is fed one dummy token at its first unwritten pos
 ``length``); it writes K/V only there, which that row's own next run overwrites. Its output is
 ignored. Slots are handed out lowest index first to keep ``hi`` small.
 
-One thread (the scheduler's) calls every method, with one exception: the function ``receiver``
-returns copies fetched blocks into a slot from a read thread while the slot is fetching. That is
+One thread (the scheduler's) calls every method, with one exception: the function that
+``receiver`` returns copies fetched blocks into a slot from a read thread while the slot fetches. That is
 safe because a fetching row's ``length`` is 0 until ``begin``: decode runs in flight write into
 its position 0 only, and ``begin`` (scheduler thread, between runs) copies block 0 again. A row
 lock makes ``release`` wait for a copy in progress and stops later ones, so a fetch that outlives
