@@ -76,6 +76,11 @@ def block_key(block_hash: BlockHash) -> str:
     return KEY_PREFIX + "blk:" + block_hash.hex()
 
 
+def lease_key(block_hash: BlockHash) -> str:
+    """The store key of the lease on computing the run of blocks that starts at this block."""
+    return KEY_PREFIX + "lease:" + block_hash.hex()
+
+
 def encoder_input_hash(namespace: Namespace, array: np.ndarray) -> BlockHash:
     """Names an encoder input: its dtype, shape and little-endian bytes under ``namespace``.
 

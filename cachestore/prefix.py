@@ -78,11 +78,20 @@ class PrefixStore:
         run like a miss. With ``into``, block ``i`` of the run goes to ``into(i, block)`` as soon as
         it is checked, before the next value is read, and is kept only if ``into`` returns True:
         a fetch that copies each block into its slot holds one value at a time."""
-        hashes = self.hashes(namespace, token_ids)
+        found = PrefixLookup(hashes=self.hashes(namespace, token_ids), blocks=[])
+        hits = self.extend(found, namespace.block_size, into)
+        self.stats.add(block_hits=hits, block_misses=len(found.hashes) - hits)
+        return found
+
+    def extend(self, found: PrefixLookup, block_size: int, into: Callable[[int, np.ndarray], bool] | None = None) -> int:
+        """Reads on from the end of ``found``'s run (blocks another worker published since), as
+        ``lookup`` reads; adds them to ``found`` and returns how many were added. Not counted as
+        hits or misses: ``lookup`` counted the prompt's blocks once."""
+        first = found.hit_blocks
+        hashes = found.hashes[first:]
         keys = [block_key(h) for h in hashes]
-        expected = Expected(ValueKind.PREFIX_BLOCK, b"", self.geometry.dtype, self.geometry.block_shape(namespace.block_size),
+        expected = Expected(ValueKind.PREFIX_BLOCK, b"", self.geometry.dtype, self.geometry.block_shape(block_size),
                             self.store.authenticated)
-        kept: list[np.ndarray] = []
         hits, rejected = 0, []
         values = self.store.iter_many(keys)
         try:
@@ -97,15 +106,15 @@ class PrefixStore:
                     rejected.append(key)
                     break
                 self.stats.add(bytes_read=len(value))
-                if into is None or into(hits, block):
-                    kept.append(block)
+                if into is None or into(first + hits, block):
+                    found.blocks.append(block)
                 hits += 1
         finally:
             values.close()  # hands the stream's connection back before the delete needs one
         if rejected:
             self.store.delete(rejected)
-        self.stats.add(block_hits=hits, block_misses=len(hashes) - hits)
-        return PrefixLookup(hashes=hashes, blocks=kept, hit_blocks=hits)
+        found.hit_blocks += hits
+        return hits
 
     def publish(self, hashes: Sequence[BlockHash], kv: np.ndarray, first_block: int, block_size: int) -> int:
         """Writes blocks ``first_block .. len(hashes)`` under their hashes, set-if-absent; ``kv``

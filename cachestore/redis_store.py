@@ -45,6 +45,11 @@ def _more_to_read(connection: redis.connection.AbstractConnection) -> bool:
         return False
 
 
+_RELEASE_IF_HELD = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 # First match wins: authentication errors are connection errors to redis-py, OOM a response error.
 _ERROR_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
     ("timeout", redis.TimeoutError),
@@ -75,6 +80,7 @@ class RedisStore(KVStore):
         self._lock = threading.Lock()
         self.ttl_s = ttl_s
         self.name = name
+        self._release_script = None
 
     @property
     def _client(self) -> redis.Redis | RedisCluster:
@@ -183,6 +189,24 @@ class RedisStore(KVStore):
     def delete(self, keys: Sequence[str]) -> None:
         if keys:
             self._client.delete(*keys)
+
+    def claim(self, key: str, token: bytes, ttl_ms: int) -> bytes | None:
+        """``SET key token NX PX ttl`` and ``GET key`` in one round trip (any Redis version: no
+        ``SET … GET``); the ``GET`` names whoever holds the lease now."""
+        pipe = self._client.pipeline(transaction=False)
+        pipe.set(key, token, nx=True, px=max(1, ttl_ms))
+        pipe.get(key)
+        return _values(pipe.execute()[1:], 1)[0]
+
+    def holder(self, key: str) -> bytes | None:
+        return self.get(key)
+
+    def release(self, key: str, token: bytes) -> None:
+        """Deletes the lease only while ``token`` holds it: a compare-and-delete, atomic on the
+        server (a script), so a lease that expired and was taken by another worker survives."""
+        if self._release_script is None:
+            self._release_script = self._client.register_script(_RELEASE_IF_HELD)
+        self._release_script(keys=[key], args=[token])
 
     def error_kind(self, exc: Exception) -> str:
         if isinstance(exc, redis.ConnectionError) and _caused_by(exc, ssl.SSLError):

@@ -105,6 +105,16 @@ class ResilientStore(KVStore):
     def delete(self, keys: Sequence[str]) -> None:
         self._call(self.write_breaker, "delete", lambda: self.inner.delete(keys), None)
 
+    def claim(self, key: str, token: bytes, ttl_ms: int) -> bytes | None:
+        """A failed claim holds nothing: the caller computes, as it would without leases."""
+        return self._call(self.write_breaker, "claim", lambda: self.inner.claim(key, token, ttl_ms), None)
+
+    def holder(self, key: str) -> bytes | None:
+        return self._call(self.read_breaker, "holder", lambda: self.inner.holder(key), None)
+
+    def release(self, key: str, token: bytes) -> None:
+        self._call(self.write_breaker, "release", lambda: self.inner.release(key, token), None)
+
     def error_kind(self, exc: Exception) -> str:
         return self.inner.error_kind(exc)
 

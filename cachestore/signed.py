@@ -78,6 +78,29 @@ class SignedStore(KVStore):
     def delete(self, keys: Sequence[str]) -> None:
         self.inner.delete(keys)
 
+    def claim(self, key: str, token: bytes, ttl_ms: int) -> bytes | None:
+        """Leases are signed like values: a lease anyone could write would let them make every
+        worker wait. A holder whose lease does not verify is nobody (the caller computes)."""
+        envelope = self.keyring.sign(key, token)
+        holder = self.inner.claim(key, envelope, ttl_ms)
+        return None if holder is None else self._lease_token(key, holder)
+
+    def holder(self, key: str) -> bytes | None:
+        holder = self.inner.holder(key)
+        return None if holder is None else self._lease_token(key, holder)
+
+    def release(self, key: str, token: bytes) -> None:
+        # HMAC signing is deterministic: the same token signs to the envelope stored.
+        self.inner.release(key, self.keyring.sign(key, token))
+
+    def _lease_token(self, key: str, envelope: bytes) -> bytes | None:
+        verified = self.keyring.verify(key, envelope)
+        if isinstance(verified, VerifyFailure):
+            self.stats.count("rejected_values", _REASONS[verified])
+            _refused.warning("lease %s refused (%s); computing instead of waiting", key, verified.value)
+            return None
+        return bytes(verified)
+
     def error_kind(self, exc: Exception) -> str:
         return self.inner.error_kind(exc)
 

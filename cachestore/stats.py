@@ -19,6 +19,10 @@ class CacheStats:
     short_circuited: int = 0
     blocks_written: int = 0
     publishes_dropped: int = 0
+    blocks_awaited: int = 0
+    """Blocks a lookup found missing while another worker held the lease on computing them."""
+    blocks_received: int = 0
+    """Of those, blocks that arrived while the lookup waited (the rest were computed here)."""
     bytes_read: int = 0
     bytes_sent: int = 0
     """Bytes of values sent to the store, including blocks it turned out to hold already."""
@@ -26,6 +30,8 @@ class CacheStats:
     """Stored values that failed a check (deleted, computed instead), by reason."""
     store_errors: dict[str, int] = field(default_factory=dict)
     """Store calls that failed (computed instead), by the store's error kind."""
+    lease_waits: dict[str, int] = field(default_factory=dict)
+    """Waits for another worker's blocks, by how they ended (``run_waits.WaitEnd``)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:

@@ -54,6 +54,21 @@ class KVStore(ABC):
         """Set-if-absent for each item; returns how many were written."""
         return sum(self.put(k, v) for k, v in items)
 
+    def claim(self, key: str, token: bytes, ttl_ms: int) -> bytes | None:
+        """A lease: writes ``token`` under ``key`` unless the key exists, to expire after ``ttl_ms``
+        milliseconds; returns the holder's token (``token`` itself when this call took the lease),
+        or None when nobody can be said to hold it (the caller goes ahead). A store shared by no
+        one else keeps no leases: the caller always holds them."""
+        return token
+
+    def holder(self, key: str) -> bytes | None:
+        """The token of the lease under ``key``, or None when none is held (expired, released)."""
+        return None
+
+    def release(self, key: str, token: bytes) -> None:  # noqa: B027 - optional: only shared stores keep leases
+        """Ends the lease under ``key`` if ``token`` still holds it (a lease that expired and was
+        taken by someone else is left alone)."""
+
     def error_kind(self, exc: Exception) -> str:
         """A short label for a failure this store raised: one of ``ERROR_KINDS``."""
         return "error"

@@ -41,6 +41,15 @@ class TieredStore(KVStore):
         self.l1.delete(keys)
         self.l2.delete(keys)
 
+    def claim(self, key: str, token: bytes, ttl_ms: int) -> bytes | None:
+        return self.l2.claim(key, token, ttl_ms)
+
+    def holder(self, key: str) -> bytes | None:
+        return self.l2.holder(key)
+
+    def release(self, key: str, token: bytes) -> None:
+        self.l2.release(key, token)
+
     def error_kind(self, exc: Exception) -> str:
         return self.l2.error_kind(exc)
 

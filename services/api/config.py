@@ -67,6 +67,8 @@ class Settings:
     tokenizer_threads: int = field(default=2, metadata={"min": 1, "help": "Threads that render chat templates and tokenize, off the event loop (the tokenizer releases the GIL)."})
     block_size: int = field(default=64, metadata={"min": 1, "help": "Tokens per shared cache block."})
     cache_dtype: str = field(default=DEFAULT_CACHE_DTYPE, metadata={"help": "Element type of K/V in the store: float16 (half the bytes of float32; greedy answers equal computing on every measured prompt), bfloat16 (half the bytes, coarser: some greedy tokens change) or float32 (bit-identical to computing). Part of every key: workers with different values never share blocks.", "choices": list(STORAGE_DTYPES)})
+    lease_wait_factor: float = field(default=1.0, metadata={"min": 0.0, "max": 100.0, "help": "Fleet-wide single-flight: a worker missing a prompt's blocks takes a lease on computing them; one that finds another worker's lease waits for that worker's blocks instead, at most this many times its own expected time to compute them (from its measured prefill pace), less when they stop coming. 0 = no leases: every worker computes what it lacks."})
+    lease_poll_ms: float = field(default=10.0, metadata={"min": 1.0, "max": 1000.0, "help": "How often a worker waiting for another worker's blocks looks for them in the store."})
     not_serving_s: float = field(default=2.0, metadata={"help": "On SIGTERM, seconds to keep accepting calls while health reports NOT_SERVING, so balancers stop routing here first."})
     drain_s: float = field(default=20.0, metadata={"help": "On SIGTERM, seconds in-flight streams get to finish before the server stops."})
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})

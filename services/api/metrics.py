@@ -19,6 +19,7 @@ from cachestore.resilient import ResilientStore
 from cachestore.store import ERROR_KINDS
 from cachestore.tiered import TieredStore
 from services.engine.engine import Engine
+from services.engine.run_waits import WaitEnd
 from services.engine.sequence import Sequence
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -34,6 +35,8 @@ _CACHE_COUNTERS = {
     "publishes_dropped": ("kvshare_cache_publishes_dropped", "Publishes dropped because too many were pending."),
     "values_too_large": ("kvshare_cache_values_too_large", "Cross-attention values not stored for their size."),
     "short_circuited": ("kvshare_cache_short_circuited", "Store operations skipped while a breaker was open."),
+    "blocks_awaited": ("kvshare_cache_blocks_awaited", "Missing blocks another worker held the lease on computing."),
+    "blocks_received": ("kvshare_cache_blocks_received", "Awaited blocks that arrived while waiting (not computed here)."),
 }
 
 
@@ -62,6 +65,16 @@ class _EngineCollector(Collector):
                                   value=stats.decode_rows)
         yield CounterMetricFamily("kvshare_prefill_tokens", "Prompt tokens computed (not served from the store).",
                                   value=stats.prefill_tokens)
+        yield CounterMetricFamily("kvshare_prefill_shared_tokens",
+                                  "Prompt tokens copied from another request of this worker holding the same prefix.",
+                                  value=stats.shared_tokens)
+        yield GaugeMetricFamily("kvshare_lease_waiting", "Requests waiting for blocks another worker is computing.",
+                                value=engine.waits.waiting)
+        waits = CounterMetricFamily("kvshare_lease_waits", "Waits for another worker's blocks, by how they ended.",
+                                    labels=["end"])
+        for end in WaitEnd:
+            waits.add_metric([end.value], cache["lease_waits"].get(end.value, 0))
+        yield waits
         rejected = CounterMetricFamily("kvshare_cache_values_rejected",
                                        "Stored values that failed a check (deleted, computed instead).", labels=["reason"])
         for reason in RejectReason:

@@ -37,6 +37,7 @@ from cachestore.keys import (
     block_key,
     cross_key,
     encoder_input_hash,
+    lease_key,
 )
 from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
 from cachestore.ratelimit import RateLimitedLog
@@ -61,6 +62,14 @@ from services.engine.request_limits import (
     SHRINKING_TOKENIZER_FACTOR,
     RequestLimits,
     derived_prompt_bytes,
+)
+from services.engine.run_waits import (
+    MIN_STALL_MS,
+    LeaseOptions,
+    PrefillPace,
+    RunWait,
+    RunWaits,
+    WaitEnd,
 )
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
@@ -138,9 +147,13 @@ class EngineOptions:
     """UTF-8 bytes of one stop string."""
     tokenizer_threads: int = 2
     """Threads that render chat templates, tokenize and build stop automata, off the event loop."""
+    leases: LeaseOptions = field(default_factory=LeaseOptions)
+    """Fleet-wide single-flight: leases on computing uncached blocks, and how long to wait for them."""
 
 
 MAX_DERIVED_BATCH = 64
+LEASE_SLACK_MS = 500
+"""A lease lives twice the holder's expected time to compute its run, plus this (ms)."""
 MAX_STOP_TOKEN_IDS = 64
 PROMPT_LOGPROBS_PER_CHUNK = 64
 """Prompt log-probabilities per chunk: with 20 alternatives each, about 20 KB a message."""
@@ -191,7 +204,12 @@ class Engine:
         self.request_observers: list[Callable[[Sequence, str, float], None]] = []
         """Called on the event loop once per request that ends: (sequence, outcome, seconds taken)."""
         self.slots = open_slots(session, scheduling.max_batch, spec.context_length)
-        self.scheduler = Scheduler(self.slots, scheduling, self, self._read_pool)
+        self.worker_token = uuid.uuid4().hex.encode()
+        """Names this worker as a lease holder; fresh per process, so a restarted worker never
+        mistakes its predecessor's lease for its own."""
+        self.waits = RunWaits(options.leases.poll_ms)
+        self.scheduler = Scheduler(self.slots, scheduling, self, self._read_pool,
+                                   PrefillPace(options.leases.first_ms_per_token))
         log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype; the model's own K/V is %s)",
                  self.storage_dtype.name, spec.kv_bytes_per_token(self.storage_dtype.itemsize), session.kv_dtype.name)
         log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", scheduling.max_batch,
@@ -233,6 +251,7 @@ class Engine:
         return engine
 
     def close(self) -> None:
+        self.waits.close()
         self.scheduler.close()
         self._read_pool.shutdown(wait=True)
         self._write_pool.shutdown(wait=True)
@@ -422,22 +441,87 @@ class Engine:
 
     # The scheduler's hooks (services.engine.scheduler.Hooks).
 
-    def fetch(self, seq: Sequence) -> None:
+    def fetch(self, seq: Sequence, done: Callable[[], None]) -> bool:
         """On a read thread: the prompt's cached run of blocks, copied into the sequence's slot as
         they arrive where the slots allow it, and, for encoder-decoder models, the encoder input's
-        cross K/V (none when the request skips reading)."""
+        cross K/V (none when the request skips reading). When another worker holds the lease on
+        the prompt's first missing blocks, returns False and waits for them on the waits' thread
+        (``services.engine.run_waits``), calling ``done`` at the end; else returns True."""
         t = time.perf_counter()
+        receiver = self.slots.receiver(seq.slot)
         if seq.cache.skip_read:
             seq.lookup = PrefixLookup(hashes=self.prefix.hashes(seq.namespace, seq.prompt), blocks=[])
         else:
-            seq.lookup = self.prefix.lookup(seq.namespace, seq.prompt, self.slots.receiver(seq.slot))
+            seq.lookup = self.prefix.lookup(seq.namespace, seq.prompt, receiver)
             if seq.encoder_hash is not None:
                 s = self.spec
                 seq.cross_kv = self.cross.get(seq.encoder_hash, s.num_layers, self.session.cross_heads, s.head_size)
+        holder = self._claim(seq)
+        if holder is None:
+            self._fetched(seq, t)
+            return True
+        key = seq.lease
+        seq.lease = None
+        run = len(seq.lookup.hashes) - seq.lookup.hit_blocks
+        factor, size = self.options.leases.wait_factor, seq.namespace.block_size
+        stall_ms = max(MIN_STALL_MS, 3 * factor * self.scheduler.pace.expected_ms(
+            self.scheduler.options.max_prefill_tokens_per_step))
+
+        def end(outcome: WaitEnd) -> None:
+            self.cache_stats.count("lease_waits", outcome.value)
+            self._fetched(seq, t)
+            done()
+
+        self.cache_stats.add(blocks_awaited=run)
+        self.waits.add(RunWait(
+            fetch_more=lambda: self._fetch_more(seq, size, receiver),
+            missing=lambda: len(seq.lookup.hashes) - seq.lookup.hit_blocks,
+            held=lambda: self.store.holder(key) == holder,
+            cancelled=lambda: seq.aborted or seq.done,
+            deadline=time.monotonic() + factor * self.scheduler.pace.expected_ms(run * size) / 1e3,
+            stall_s=stall_ms / 1e3,
+            on_end=end,
+        ))
+        return False
+
+    def _fetch_more(self, seq: Sequence, block_size: int, receiver: Callable[[int, np.ndarray], bool] | None) -> int:
+        arrived = self.prefix.extend(seq.lookup, block_size, receiver)
+        self.cache_stats.add(blocks_received=arrived)
+        return arrived
+
+    def _claim(self, seq: Sequence) -> bytes | None:
+        """The fleet's single-flight (``services.engine.run_waits``): when the prompt has uncached
+        full blocks, takes the lease on computing them, or finds the other worker that holds it.
+        Returns that worker's token (the caller waits; ``seq.lease`` names the lease), or None:
+        this worker computes (it holds the lease, in ``seq.lease``, or leases are off or failed)."""
+        hashes, hit = seq.lookup.hashes, seq.lookup.hit_blocks
+        if not self.options.leases.enabled or seq.cache.skip_read or seq.cache.skip_write or hit >= len(hashes):
+            return None
+        key = lease_key(hashes[hit])
+        expected_ms = self.scheduler.pace.expected_ms((len(hashes) - hit) * seq.namespace.block_size)
+        holder = self.store.claim(key, self.worker_token, int(2 * expected_ms + LEASE_SLACK_MS))
+        seq.lease = key
+        if holder == self.worker_token:
+            return None
+        if holder is None:
+            seq.lease = None
+        return holder
+
+    def _fetched(self, seq: Sequence, t0: float) -> None:
+        """The lookup's end: what it found becomes the sequence's cached prompt."""
         seq.usage.encoder_cache_hit = seq.cross_kv is not None
         seq.prefilled = seq.usage.cached_prompt_tokens = self.cached_tokens(
             seq.lookup.hit_blocks, seq.namespace.block_size, len(seq.prompt))
-        seq.timings.cache_fetch_ms = (time.perf_counter() - t) * 1e3
+        seq.published_blocks = seq.lookup.hit_blocks
+        seq.timings.cache_fetch_ms = (time.perf_counter() - t0) * 1e3
+
+    def release_leases(self, rows: list[Sequence]) -> None:
+        """Ends the leases ``rows`` still hold (a prompt cancelled or failed before its end), off
+        the token path, so that workers waiting on them compute at once."""
+        for seq in rows:
+            key, seq.lease = seq.lease, None
+            if key is not None:
+                self._write_pool.submit(self.store.release, key, self.worker_token)
 
     def begin(self, seq: Sequence) -> None:
         """On the scheduler thread: copies the cached blocks the fetch kept (all, or block 0: see
@@ -478,20 +562,35 @@ class Engine:
                                                                             first, size))
 
     def prefilled(self, seq: Sequence) -> None:
-        """On the scheduler thread, right after the prompt's last chunk: copies the blocks the store
-        lacked out of the slot and publishes them on a write thread. The copy is taken now because
-        the slot is handed to another sequence as soon as this one ends: publishing from the live
-        buffer could put another request's K/V under this prompt's keys."""
-        hashes, first = seq.lookup.hashes, seq.lookup.hit_blocks
-        if seq.cache.skip_write or len(hashes) <= first:
+        """On the scheduler thread, after each prompt chunk: copies the full blocks completed since
+        the last publish (and not in the store) out of the slot and publishes them on a write
+        thread, so that workers waiting for this prompt's blocks fetch each chunk as soon as it is
+        computed. After the last chunk the sequence's lease ends, once its blocks are stored. The
+        copy is taken now because the slot is handed to another sequence as soon as this one ends:
+        publishing from the live buffer could put another request's K/V under this prompt's keys."""
+        hashes, first, size = seq.lookup.hashes, seq.published_blocks, seq.namespace.block_size
+        last = min(len(hashes), seq.prefilled // size)
+        prompt_done = seq.prefilled == len(seq.prompt)
+        key, seq.lease = (seq.lease, None) if prompt_done else (None, seq.lease)
+        release = (lambda: self.store.release(key, self.worker_token)) if key is not None else None
+        if seq.cache.skip_write or last <= first:
+            if release is not None:
+                self._write_pool.submit(release)
             return
-        size = seq.namespace.block_size
-        self._publish_blocks(seq, first, len(hashes), lambda kv: self.prefix.publish(hashes, kv, first, size))
+        seq.published_blocks = last
 
-    def _publish_blocks(self, seq: Sequence, first: int, last: int, publish: Callable[[np.ndarray], object]) -> None:
+        def publish(kv: np.ndarray) -> None:
+            self.prefix.publish(hashes[:last], kv, first, size)
+            if release is not None:
+                release()
+
+        if not self._publish_blocks(seq, first, last, publish) and release is not None:
+            self._write_pool.submit(release)
+
+    def _publish_blocks(self, seq: Sequence, first: int, last: int, publish: Callable[[np.ndarray], object]) -> bool:
         """Copies blocks ``first .. last`` of the sequence's slot now and hands them, narrowed to
         the storage dtype on a write thread, to ``publish``, unless the pending publishes have no
-        room for them: then nothing is copied (see ``_in_background``)."""
+        room for them: then nothing is copied (see ``_in_background``) and False is returned."""
         size = seq.namespace.block_size
         nbytes = (last - first) * size * self.spec.kv_bytes_per_token(self.session.kv_dtype.itemsize)
 
@@ -499,7 +598,7 @@ class Engine:
             kv = self.slots.canonical(seq.slot, first * size, last * size)
             return lambda: publish(converted(kv, self.storage_dtype))
 
-        self._in_background(nbytes, prepare)
+        return self._in_background(nbytes, prepare)
 
     def distrust(self, seq: Sequence) -> bool:
         """On the scheduler thread, when the first token's logits are NaN or infinite. Values that
@@ -523,20 +622,21 @@ class Engine:
         seq.cache = replace(seq.cache, skip_write=True)
         return True
 
-    def _in_background(self, nbytes: int, prepare: Callable[[], Callable[[], object]]) -> None:
+    def _in_background(self, nbytes: int, prepare: Callable[[], Callable[[], object]]) -> bool:
         """Runs a publish holding ``nbytes`` on the write threads if there is room for it: fewer
         than ``max_pending_publishes`` wait, and their bytes stay within ``max_pending_publish_bytes``
         (one publish larger than that still goes when none waits, or a long prompt would never be
         shared). ``prepare`` (the copy out of a slot) runs here and returns the publish; without
         room the publish is dropped, counted, before anything is copied: a slow store, or answers
         of thousands of tokens finishing together, cannot make copies pile up in memory. Called on
-        the scheduler thread only, so no other publish joins between the check and the submit."""
+        the scheduler thread only, so no other publish joins between the check and the submit.
+        Returns whether the publish was submitted."""
         with self._publish_lock:
             full = len(self._pending_publishes) >= self.options.max_pending_publishes or (
                 self._pending_bytes > 0 and self._pending_bytes + nbytes > self.options.max_pending_publish_bytes)
             if full:
                 self.cache_stats.add(publishes_dropped=1)
-                return
+                return False
         publish = prepare()
         with self._publish_lock:
             self._pending_bytes += nbytes
@@ -544,6 +644,7 @@ class Engine:
             self._pending_publishes.add(future)
             self.stats.publishes += 1
         future.add_done_callback(lambda done: self._published(done, nbytes))
+        return True
 
     def _published(self, future: Future, nbytes: int) -> None:
         with self._publish_lock:
@@ -656,6 +757,7 @@ class Engine:
         finally:
             # Reached on completion, on an error, and when the consumer is cancelled or goes away.
             self.scheduler.abort(rows)
+            self.release_leases(rows)
             self.stats.active -= 1
             if not open_rows:
                 self.stats.finished += 1

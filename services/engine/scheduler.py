@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,11 +39,13 @@ import numpy as np
 
 from services.engine.generation import FinishReason
 from services.engine.logprobs import log_softmax, token_logprobs
+from services.engine.run_waits import PrefillPace
 from services.engine.sequence import Phase, Sequence, SequenceGroup
 from services.errors import NumericalError, Overloaded
 from services.runtime.slots import SlotBank
 
 log = logging.getLogger(__name__)
+IDLE_RECHECK_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +80,12 @@ class SchedulerStats:
     max_decode_rows: int = 0
     prefill_runs: int = 0
     prefill_tokens: int = 0
-    """Prompt tokens computed (not served from the store)."""
+    """Prompt tokens computed (not served from the store or copied from another row)."""
+    shared_tokens: int = 0
+    """Prompt tokens copied from another row of this worker that computed (or fetched) the same
+    prefix, instead of being computed again (in-worker single-flight)."""
+    shared_waits: int = 0
+    """Steps a prefilling sequence sat out because an earlier row was about to hold its prefix."""
 
 
 @dataclass(slots=True)
@@ -85,23 +93,29 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
     """(sequence, prompt tokens to run this step), in admission order."""
+    share: list[tuple[Sequence, Sequence, int]] = field(default_factory=list)
+    """(sequence, earlier row, tokens): the sequence's prompt up to ``tokens`` is copied from
+    the earlier row, which holds it, before the step's model runs."""
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill
+        return not self.decode and not self.prefill and not self.share
 
 
 class Hooks(Protocol):
     """What the scheduler asks of the engine (which knows the store and the encoder)."""
 
-    def fetch(self, seq: Sequence) -> None:
-        """On a read thread: the store lookup; sets ``seq.lookup``, ``seq.prefilled`` and usage."""
+    def fetch(self, seq: Sequence, done: Callable[[], None]) -> bool:
+        """On a read thread: the store lookup; sets ``seq.lookup``, ``seq.prefilled`` and usage.
+        Returns True when the lookup is complete; False when it goes on elsewhere (waiting for
+        another worker's blocks), in which case ``done`` is called once it is."""
 
     def begin(self, seq: Sequence) -> None:
         """On the scheduler thread, before the first chunk: fills the slot from the lookup."""
 
     def prefilled(self, seq: Sequence) -> None:
-        """On the scheduler thread, right after the last chunk: copies out blocks to publish."""
+        """On the scheduler thread, after each prompt chunk whose logits are finite: copies out the
+        blocks completed so far, to publish (and, after the last chunk, ends the sequence's lease)."""
 
     def finished(self, seq: Sequence) -> None:
         """On the scheduler thread, when a sequence ends by EOS, a stop token or its length, before
@@ -114,10 +128,13 @@ class Hooks(Protocol):
 
 
 class Scheduler:
-    def __init__(self, slots: SlotBank, options: SchedulerOptions, hooks: Hooks, read_pool: Executor) -> None:
+    def __init__(self, slots: SlotBank, options: SchedulerOptions, hooks: Hooks, read_pool: Executor,
+                 pace: PrefillPace) -> None:
         self.slots = slots
         self.options = options
         self.stats = SchedulerStats()
+        self.pace = pace
+        """Measured prefill cost, observed after every chunk (how long computing a run would take)."""
         self._hooks = hooks
         self._read_pool = read_pool
         self._cond = threading.Condition()
@@ -228,13 +245,17 @@ class Scheduler:
 
     def _fetch(self, seq: Sequence) -> None:
         try:
-            self._hooks.fetch(seq)
+            complete = self._hooks.fetch(seq, lambda: self._fetched(seq))
         except BaseException as exc:  # noqa: BLE001 - the hook degrades store errors itself; anything else fails this sequence
             with self._cond:
                 self._fail(seq, exc)
                 self._cond.notify()
             _wake_consumers([seq])
             return
+        if complete:
+            self._fetched(seq)
+
+    def _fetched(self, seq: Sequence) -> None:
         with self._cond:
             if seq.phase is Phase.FETCHING:
                 seq.phase = Phase.PREFILLING
@@ -292,13 +313,51 @@ class Scheduler:
                 if not seq.paused:
                     plan.decode.append(seq)
             elif seq.phase is Phase.PREFILLING and budget > 0:
+                if self._plan_share(seq, plan):
+                    continue
                 n = min(budget, len(seq.prompt) - seq.prefilled)
                 plan.prefill.append((seq, n))
                 budget -= n
         return plan
 
+    def _plan_share(self, seq: Sequence, plan: StepPlan) -> bool:
+        """In-worker single-flight (lock held): when an earlier row shares full prompt blocks with
+        ``seq`` beyond what ``seq`` holds, ``seq`` copies what that row holds of them (planned in
+        ``plan.share``) and, while that row is still fetching or computing the rest, sits this step
+        out instead of computing the same tokens. True: no chunk of ``seq`` runs this step.
+
+        Only rows admitted earlier are waited for, and they come first for the prefill budget, so
+        a sequence never waits longer than computing would take it, and waits never form a cycle."""
+        if seq.prompt_logprobs is not None or seq.cache.skip_read or seq.lookup is None:
+            return False  # prompt log-probabilities need every position computed; skip_read means cold
+        size = seq.namespace.block_size
+        for row in self._active:
+            if row is seq:
+                return False
+            if row.lookup is None or row.phase not in (Phase.FETCHING, Phase.PREFILLING, Phase.DECODING):
+                continue
+            shared = min(_common_blocks(seq.lookup.hashes, row.lookup.hashes) * size, len(seq.prompt) - 1)
+            if shared <= seq.prefilled:
+                continue
+            held = min(shared, row.slot.length) if row.assembled and row.phase is not Phase.FETCHING else 0
+            if held > seq.prefilled:
+                plan.share.append((seq, row, held))
+                return True
+            if row.phase is Phase.DECODING:
+                continue
+            self.stats.shared_waits += 1
+            return True
+        return False
+
     def execute(self, plan: StepPlan) -> None:
-        """Runs the decode batch, then the prefill chunks; each finished run's tokens go out at once."""
+        """Copies shared prefixes, runs the decode batch, then the prefill chunks; each finished
+        run's tokens go out at once."""
+        for seq, row, tokens in plan.share:
+            try:
+                self._share(seq, row, tokens)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("copying a shared prefix failed for request %s", seq.request_id)
+                self._fail_all([seq], exc)
         if plan.decode:
             try:
                 logits = self.slots.decode([s.slot for s in plan.decode], [s.next_token for s in plan.decode])
@@ -339,12 +398,31 @@ class Scheduler:
             row.timings.cache_fetch_ms, row.timings.prefill_ms = seq.timings.cache_fetch_ms, seq.timings.prefill_ms
         return [seq, *followers]
 
+    def _share(self, seq: Sequence, row: Sequence, tokens: int) -> None:
+        """Copies ``row``'s first ``tokens`` tokens into ``seq``'s slot (both hold the same prompt
+        up to there): tokens neither computed nor fetched again, counted as cached."""
+        if seq.done or row.done:
+            return
+        t = time.perf_counter()
+        if not seq.assembled:
+            self._hooks.begin(seq)
+            seq.assembled = True
+        copied = tokens - seq.prefilled
+        self.slots.share(row.slot, seq.slot, tokens)
+        seq.prefilled = tokens
+        seq.usage.cached_prompt_tokens += copied
+        if not row.cache.skip_write:  # the row (or the store) has those blocks published
+            seq.published_blocks = max(seq.published_blocks, tokens // seq.namespace.block_size)
+        self.stats.shared_tokens += copied
+        seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
+
     def _prefill(self, seq: Sequence, n: int) -> np.ndarray | None:
         """Runs the next ``n`` prompt tokens of ``seq``; the logits once the prompt is done, else None."""
         t = time.perf_counter()
         if not seq.assembled:
             self._hooks.begin(seq)
             seq.assembled = True
+        t_run = time.perf_counter()
         start = seq.prefilled
         chunk = seq.prompt[start : start + n]
         if seq.prompt_logprobs is None:
@@ -359,12 +437,12 @@ class Scheduler:
         seq.prefilled += n
         self.stats.prefill_runs += 1
         self.stats.prefill_tokens += n
-        seq.timings.prefill_ms += (time.perf_counter() - t) * 1e3
-        if seq.prefilled < len(seq.prompt):
-            return None
+        end = time.perf_counter()
+        seq.timings.prefill_ms += (end - t) * 1e3
+        self.pace.observe(n, (end - t_run) * 1e3)
         if np.isfinite(logits).all():  # K/V whose logits blew up is never published (see _non_finite)
             self._hooks.prefilled(seq)
-        return logits
+        return logits if seq.prefilled == len(seq.prompt) else None
 
     def _sample(self, seqs: list[Sequence], logits: np.ndarray) -> None:
         """Picks each row's token (plain greedy rows in one vectorised arg-max; beams by their
@@ -527,12 +605,23 @@ class Scheduler:
                 if self._closed:
                     return
                 plan = self.schedule()
+                if plan.empty:
+                    # Only rows waiting for an earlier row's fetch: its end (or any submit, abort
+                    # or read) notifies; the bound covers a paused row running out of patience.
+                    self._cond.wait(min(self._idle_timeout() or IDLE_RECHECK_S, IDLE_RECHECK_S))
+                    continue
             try:
                 self.execute(plan)
             except Exception as exc:  # noqa: BLE001 - a bug here must fail its sequences, never stop the worker
                 log.exception("scheduler step failed")
                 self._fail_all([*plan.decode, *(seq for seq, _ in plan.prefill)], exc)
                 self._deliver()
+
+
+def _common_blocks(a: list, b: list) -> int:
+    """How many leading block hashes two prompts share (chained hashes: equal up to there)."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def _set_ready(seqs: list[Sequence]) -> None:

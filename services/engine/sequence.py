@@ -103,6 +103,12 @@ class Sequence:
     """Encoder-decoder models: cross K/V found in the store, until copied into the slot."""
     prefilled: int = 0
     """Prompt tokens whose K/V the slot holds (or will, once the cached blocks are copied in)."""
+    published_blocks: int = 0
+    """Prompt blocks in the store or on their way there (found, published, or held by the row
+    they were copied from): each chunk publishes the full blocks past these."""
+    lease: str | None = None
+    """The store key of the lease this worker holds on computing the prompt's first uncached
+    blocks, until the prompt is done (or the sequence ends)."""
     assembled: bool = False
     """Whether the cached blocks (and cross K/V) are in the slot yet."""
     next_token: int = -1

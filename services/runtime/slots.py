@@ -179,11 +179,19 @@ class SharedSlots(_Bank):
         """Gives every target a copy of ``source``'s tokens: each row of the shared buffer is one
         sequence's past, so samples and beams of one prompt each need their own (one copy per
         layer for all targets)."""
-        n = source.length
+        self._copy_rows(source, targets, 0, source.length)
+
+    def share(self, source: Slot, target: Slot, tokens: int) -> None:
+        """Gives ``target``, which holds the first ``target.length`` of them already, ``source``'s
+        first ``tokens`` tokens (two sequences whose prompts begin alike)."""
+        self._copy_rows(source, [target], target.length, tokens)
+
+    def _copy_rows(self, source: Slot, targets: Sequence[Slot], start: int, end: int) -> None:
+        assert start <= end <= source.length, "copies only tokens the source holds"
         rows = [t.index for t in targets]
-        self._kv[:, :, rows, :, :n] = self._kv[:, :, source.index : source.index + 1, :, :n]
+        self._kv[:, :, rows, :, start:end] = self._kv[:, :, source.index : source.index + 1, :, start:end]
         for target in targets:
-            self._set_length(target, n)
+            self._set_length(target, end)
 
     def reorder(self, slots: Sequence[Slot], parents: np.ndarray, shared: int) -> None:
         """Beam search: row ``slots[i]`` becomes a copy of row ``slots[parents[i]]`` (all hold the
@@ -265,6 +273,15 @@ class SequenceSlots(_Bank):
         for target in targets:
             target.cache = self._copy(source.cache)
             target.length = source.length
+
+    def share(self, source: Slot, target: Slot, tokens: int) -> None:
+        """``target`` gets ``source``'s first ``tokens`` tokens in a cache of its own capacity; its
+        cross-attention K/V (the same encoder input: it is in both prompts' namespace) stays."""
+        cross = target.cache.cross
+        target.cache = self.session.cache_from_blocks([self.session.to_canonical(source.cache, tokens)], tokens,
+                                                      target.capacity)
+        target.cache.cross = cross
+        target.length = tokens
 
     def reorder(self, slots: Sequence[Slot], parents: np.ndarray, shared: int) -> None:
         caches = [slots[p].cache for p in parents]

@@ -1,0 +1,125 @@
+"""A rollout's burst: N requests carrying the same *new* long prefix (different questions) arrive at
+once, spread round-robin over R replicas sharing one Redis. How often does the fleet compute that
+prefix, and how late is the slowest first token against one cold request alone?
+
+- prefix computed fleet-wide: the prefix tokens that requests computed (not served from the store
+  or from another request of the same worker), summed over the burst, divided by the prefix
+  length: 1.00 means the fleet computed it once;
+- TTFT p50 / p99 (server-side, ms) of the burst's requests against the median TTFT of the same
+  prompt shape sent alone, cold, to an idle fleet.
+
+Every answer is compared with the same prompt computed cold (greedy, EOS ignored).
+
+    .venv/bin/python -m bench.burst [--smoke] [--model DIR] [--requests N] [--replicas R [R ...]]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from bench.fleet import (
+    CALL_TIMEOUT_S,
+    QUESTION_TOKENS,
+    Fleet,
+    bench_model,
+    fleet,
+    median,
+    parse_args,
+    print_table,
+    warm_up,
+)
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.client import complete
+
+NEW_TOKENS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    tokens: list[int]
+    cached: int
+    ttft_ms: float
+
+
+def request(prompt: list[int], cold: bool = False) -> pb.GenerateRequest:
+    return pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                              cache=pb.CacheOptions(skip_read=cold, skip_write=cold))
+
+
+async def ask(stub: pb_grpc.GeneratorStub, prompt: list[int]) -> Answer:
+    tokens, last = [], None
+    async for message in stub.Generate(request(prompt), timeout=CALL_TIMEOUT_S):
+        tokens.extend(message.token_ids)
+        last = message
+    return Answer(tokens, last.usage.cached_prompt_tokens, last.timings.time_to_first_token_ms)
+
+
+def send_burst(f: Fleet, prompts: list[list[int]]) -> list[Answer]:
+    """Sends every prompt at once, prompt i to replica i mod R."""
+
+    async def run() -> list[Answer]:
+        channels = [grpc.aio.insecure_channel(w.target) for w in f.workers]
+        try:
+            stubs = [pb_grpc.GeneratorStub(c) for c in channels]
+            return list(await asyncio.gather(*(ask(stubs[i % len(stubs)], p) for i, p in enumerate(prompts))))
+        finally:
+            for channel in channels:
+                await channel.close()
+
+    return asyncio.run(run())
+
+
+def main() -> int:
+    def options(parser) -> None:
+        parser.add_argument("--requests", type=int, default=8)
+        parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
+        parser.add_argument("--prefix", type=int, default=2048, help="new shared prefix, tokens")
+        parser.add_argument("--bursts", type=int, default=3, help="bursts per replica count, each on a fresh prefix")
+
+    args = parse_args(__doc__.splitlines()[0], options)
+    model = bench_model(args)
+    prefix_len, bursts = (256, 1) if args.smoke else (args.prefix, args.bursts)
+    rng = np.random.default_rng(0)
+    rows, wrong = [], 0
+    for replicas in args.replicas:
+        with fleet(model, replicas=replicas) as f:
+            warm_up(f.stubs, model.random_ids(rng, prefix_len + QUESTION_TOKENS))
+            alone = []
+            for _ in range(max(1, bursts)):
+                prompt = model.random_ids(rng, prefix_len + QUESTION_TOKENS)
+                alone.append(complete(f.stubs[0], request(prompt), CALL_TIMEOUT_S).last.timings.time_to_first_token_ms)
+            cold_ms = median(alone)
+            computed, ttfts = [], []
+            for _ in range(bursts):
+                prefix = model.random_ids(rng, prefix_len)
+                prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(args.requests)]
+                t = time.perf_counter()
+                answers = send_burst(f, prompts)
+                span_s = time.perf_counter() - t
+                references = [complete(f.stubs[0], request(p, cold=True), CALL_TIMEOUT_S).token_ids for p in prompts]
+                wrong += sum(a.tokens != r for a, r in zip(answers, references, strict=True))
+                computed.append(sum(prefix_len - min(a.cached, prefix_len) for a in answers) / prefix_len)
+                ttfts += [a.ttft_ms for a in answers]
+                print(f"{replicas} replicas: prefix computed {computed[-1]:.2f}x, slowest first token "
+                      f"{max(a.ttft_ms for a in answers):.0f} ms, burst done in {span_s:.2f} s", flush=True)
+                f.client.flushdb()
+            p50, p99 = float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99))
+            rows.append((f"{args.requests} requests / {replicas} replicas", float(np.mean(computed)), cold_ms, p50, p99,
+                         p99 / cold_ms))
+    print_table(f"{model.name} model, new {prefix_len}-token prefix + {QUESTION_TOKENS}-token questions, sent at once "
+                f"round-robin; {bursts} bursts each; server-side TTFT",
+                ("burst", "prefix computed fleet-wide (x)", "cold alone TTFT ms", "burst TTFT p50 ms",
+                 "burst TTFT p99 ms", "p99 / cold"), rows)
+    print(f"\nanswers differing from cold: {wrong}")
+    return 1 if wrong else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

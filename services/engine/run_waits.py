@@ -1,0 +1,176 @@
+"""Fleet-wide single-flight: waiting for the blocks another worker is computing, never for long.
+
+Before a worker computes a run of uncached prefix blocks, it takes a lease on the run's first
+block in the store (``KVStore.claim``, set-if-absent with an expiry). A worker that finds the lease
+held by another worker does not compute: its sequence waits here while the holder publishes the
+run chunk by chunk, and each block is copied into the waiting slot as soon as it is in the store.
+The wait ends, and the sequence computes whatever it still lacks, at the first of:
+
+- every block of the run has arrived (the common case: nothing computed twice);
+- the lease is gone with blocks still missing (the holder finished a shorter prompt, or failed);
+- no block arrived for ``stall`` (the holder died, or is too busy to be worth waiting for);
+- the deadline: the time this worker would have needed to compute the whole run itself, from its
+  own measured prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
+
+So a wait costs at most what computing would have, and a store that is slow, down or hostile
+(a forged lease: see ``SignedStore.claim``) costs at most that bound, never a wrong token. One
+thread polls every waiting sequence; no read thread is held by a wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+
+log = logging.getLogger(__name__)
+
+MIN_STALL_MS = 100.0
+"""The shortest stall a wait tolerates (ms): a publish takes a round trip or two, even when the
+holder's chunks are quick."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOptions:
+    wait_factor: float = 1.0
+    """A waiter waits at most this many times its own expected time to compute the run; 0 turns
+    leases off (every worker computes what it lacks)."""
+    poll_ms: float = 10.0
+    """How often a waiter looks for newly published blocks (ms)."""
+    first_ms_per_token: float = 1.0
+    """The prefill pace assumed until the worker has measured its own (ms per prompt token)."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.wait_factor > 0
+
+
+class PrefillPace:
+    """This worker's recent prefill cost in ms per prompt token: an exponentially weighted mean over
+    prefill chunks (the scheduler thread observes; any thread reads)."""
+
+    WEIGHT = 0.2
+
+    def __init__(self, first_ms_per_token: float) -> None:
+        self.ms_per_token = first_ms_per_token
+        self._measured = False
+
+    def observe(self, tokens: int, ms: float) -> None:
+        if tokens <= 0:
+            return
+        pace = ms / tokens
+        self.ms_per_token = pace if not self._measured else self.ms_per_token + self.WEIGHT * (pace - self.ms_per_token)
+        self._measured = True
+
+    def expected_ms(self, tokens: int) -> float:
+        return tokens * self.ms_per_token
+
+
+class WaitEnd(Enum):
+    COMPLETE = "complete"
+    RELEASED = "released"
+    STALLED = "stalled"
+    DEADLINE = "deadline"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False, slots=True)
+class RunWait:
+    """One sequence waiting for a run of blocks another worker holds the lease on."""
+
+    fetch_more: Callable[[], int]
+    """Reads blocks published since, into the waiting slot; returns how many arrived."""
+    missing: Callable[[], int]
+    """Blocks of the run still missing."""
+    held: Callable[[], bool]
+    """Whether the other worker still holds the lease."""
+    cancelled: Callable[[], bool]
+    """The request went away: stop waiting."""
+    deadline: float
+    """time.monotonic() past which computing would have been done: stop waiting."""
+    stall_s: float
+    on_end: Callable[[WaitEnd], None]
+    """Called once, on the polling thread, when the wait ends."""
+    last_progress: float = field(default_factory=time.monotonic)
+
+
+class RunWaits:
+    """The thread that polls every ``RunWait`` each ``poll_ms``."""
+
+    def __init__(self, poll_ms: float) -> None:
+        self._poll_s = poll_ms / 1e3
+        self._waits: list[RunWait] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-run-waits", daemon=True)
+        self._thread.start()
+
+    def add(self, wait: RunWait) -> None:
+        with self._cond:
+            if self._closed:
+                end = WaitEnd.CANCELLED
+            else:
+                self._waits.append(wait)
+                self._cond.notify()
+                return
+        wait.on_end(end)
+
+    @property
+    def waiting(self) -> int:
+        with self._cond:
+            return len(self._waits)
+
+    def close(self) -> None:
+        """Ends every wait (their sequences compute or are failed by the scheduler's close)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._waits and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    waits, self._waits = self._waits, []
+                    break
+                self._cond.wait(self._poll_s)
+                waits = list(self._waits)
+            for wait in waits:
+                end = self._step(wait)
+                if end is not None:
+                    with self._cond:
+                        self._waits.remove(wait)
+                    self._end(wait, end)
+        for wait in waits:
+            self._end(wait, WaitEnd.CANCELLED)
+
+    @staticmethod
+    def _step(wait: RunWait) -> WaitEnd | None:
+        if wait.cancelled():
+            return WaitEnd.CANCELLED
+        now = time.monotonic()
+        if wait.fetch_more():
+            wait.last_progress = now
+        if not wait.missing():
+            return WaitEnd.COMPLETE
+        if now >= wait.deadline:
+            return WaitEnd.DEADLINE
+        if now - wait.last_progress >= wait.stall_s:
+            return WaitEnd.STALLED
+        if not wait.held():
+            # The holder publishes its last blocks before it releases: one more read decides.
+            wait.fetch_more()
+            return WaitEnd.RELEASED if wait.missing() else WaitEnd.COMPLETE
+        return None
+
+    @staticmethod
+    def _end(wait: RunWait, end: WaitEnd) -> None:
+        try:
+            wait.on_end(end)
+        except Exception:  # noqa: BLE001 - one sequence's failure must not end the others' waits
+            log.exception("ending a wait for another worker's blocks failed")
