@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
@@ -572,25 +573,37 @@ class Engine:
         last = min(len(hashes), seq.prefilled // size)
         prompt_done = seq.prefilled == len(seq.prompt)
         key, seq.lease = (seq.lease, None) if prompt_done else (None, seq.lease)
-        release = (lambda: self.store.release(key, self.worker_token)) if key is not None else None
-        if seq.cache.skip_write or last <= first:
-            if release is not None:
-                self._write_pool.submit(release)
-            return
-        seq.published_blocks = last
+        earlier = seq.publishing
+
+        def after_earlier() -> None:
+            # Chunks reach the store in order, and the lease ends after the last of them: a
+            # waiter never finds a gap, nor the lease gone before the blocks are there.
+            if earlier is not None:
+                wait_futures([earlier])
+
+        def release() -> None:
+            after_earlier()
+            self.store.release(key, self.worker_token)
 
         def publish(kv: np.ndarray) -> None:
+            after_earlier()
             self.prefix.publish(hashes[:last], kv, first, size)
-            if release is not None:
-                release()
+            if key is not None:
+                self.store.release(key, self.worker_token)
 
-        if not self._publish_blocks(seq, first, last, publish) and release is not None:
+        if not seq.cache.skip_write and last > first:
+            seq.published_blocks = last
+            seq.publishing = self._publish_blocks(seq, first, last, publish)
+            if seq.publishing is not None:
+                return
+        if key is not None:
             self._write_pool.submit(release)
 
-    def _publish_blocks(self, seq: Sequence, first: int, last: int, publish: Callable[[np.ndarray], object]) -> bool:
+    def _publish_blocks(self, seq: Sequence, first: int, last: int,
+                        publish: Callable[[np.ndarray], object]) -> Future | None:
         """Copies blocks ``first .. last`` of the sequence's slot now and hands them, narrowed to
         the storage dtype on a write thread, to ``publish``, unless the pending publishes have no
-        room for them: then nothing is copied (see ``_in_background``) and False is returned."""
+        room for them: then nothing is copied (see ``_in_background``) and None is returned."""
         size = seq.namespace.block_size
         nbytes = (last - first) * size * self.spec.kv_bytes_per_token(self.session.kv_dtype.itemsize)
 
@@ -622,7 +635,7 @@ class Engine:
         seq.cache = replace(seq.cache, skip_write=True)
         return True
 
-    def _in_background(self, nbytes: int, prepare: Callable[[], Callable[[], object]]) -> bool:
+    def _in_background(self, nbytes: int, prepare: Callable[[], Callable[[], object]]) -> Future | None:
         """Runs a publish holding ``nbytes`` on the write threads if there is room for it: fewer
         than ``max_pending_publishes`` wait, and their bytes stay within ``max_pending_publish_bytes``
         (one publish larger than that still goes when none waits, or a long prompt would never be
@@ -630,13 +643,13 @@ class Engine:
         room the publish is dropped, counted, before anything is copied: a slow store, or answers
         of thousands of tokens finishing together, cannot make copies pile up in memory. Called on
         the scheduler thread only, so no other publish joins between the check and the submit.
-        Returns whether the publish was submitted."""
+        Returns the publish's future, or None when it was dropped."""
         with self._publish_lock:
             full = len(self._pending_publishes) >= self.options.max_pending_publishes or (
                 self._pending_bytes > 0 and self._pending_bytes + nbytes > self.options.max_pending_publish_bytes)
             if full:
                 self.cache_stats.add(publishes_dropped=1)
-                return False
+                return None
         publish = prepare()
         with self._publish_lock:
             self._pending_bytes += nbytes
@@ -644,7 +657,7 @@ class Engine:
             self._pending_publishes.add(future)
             self.stats.publishes += 1
         future.add_done_callback(lambda done: self._published(done, nbytes))
-        return True
+        return future
 
     def _published(self, future: Future, nbytes: int) -> None:
         with self._publish_lock:

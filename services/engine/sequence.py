@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -106,6 +107,8 @@ class Sequence:
     published_blocks: int = 0
     """Prompt blocks in the store or on their way there (found, published, or held by the row
     they were copied from): each chunk publishes the full blocks past these."""
+    publishing: Future | None = None
+    """The sequence's latest publish of prompt blocks: the next one starts after it."""
     lease: str | None = None
     """The store key of the lease this worker holds on computing the prompt's first uncached
     blocks, until the prompt is done (or the sequence ends)."""

@@ -95,7 +95,8 @@ def test_malformed_replies_are_store_failures_never_answers(tiny_model, reply, t
             assert tiered or last.usage.cached_prompt_tokens == 0
         errors = set(stats.snapshot()["store_errors"])
         if tiered:
-            assert errors == {"protocol"}
+            # MGET's reply fails as a whole; the lease claim (a SET and a GET) gets the GET's reply.
+            assert "protocol" in errors and errors <= {"protocol", GET_REPLIES[reply][1]}
         else:
             # Extra replies still on their way when the pipeline's last one is read are seen by a
             # later command instead (timing): one way or the other, only checked values are used.

@@ -1,0 +1,230 @@
+"""Single-flight of a new shared prefix: concurrent requests on one worker compute it once (the
+later rows copy it from the earlier one), replicas sharing a store compute it once fleet-wide
+(one takes the lease, the others wait for its blocks), and nothing of it can make an answer
+wrong or a wait unbounded: a dead holder, a forged lease, Redis down. Real ONNX Runtime sessions,
+real worker processes, a real redis-server; every case waits for states, never for durations."""
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from conftest import wait_until
+from test_batching import B, alone, make_engine, prompt, request, run_stream
+
+from cachestore.factory import StoreOptions, open_store
+from cachestore.keys import block_hashes, lease_key
+from cachestore.memory import MemoryStore
+from cachestore.signed import SignedStore
+from cachestore.signing import Keyring
+from cachestore.stats import CacheStats
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.client import complete
+from services.engine.run_waits import LeaseOptions
+from services.local.worker_process import WorkerProcess
+
+PREFIX = 24 * B  # 384 tokens: many prefill chunks of 32
+PATIENT = ("--lease-wait-factor", "100")
+"""Waits bounded far beyond any machine's pace: a test of who computes must not depend on speed."""
+
+
+def prefix_and_questions(count: int, seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    return prompt(PREFIX, seed), [prompt(B // 2 + i, seed + 100 + i) for i in range(count)]
+
+
+def test_two_concurrent_requests_on_one_worker_compute_their_shared_prefix_once(tiny_model):
+    # A store that keeps nothing: whatever the second request does not compute, it copied from the first's row.
+    engine = make_engine(tiny_model, MemoryStore(0), cache_dtype="float32", max_prefill_tokens_per_step=32)
+    try:
+        prefix, (qa, qb) = prefix_and_questions(2)
+        a, b = request(prefix + qa, n=64), request(prefix + qb, n=64)
+
+        async def both():
+            return await asyncio.gather(run_stream(engine, a), run_stream(engine, b))
+
+        (ta, la, ca), (tb, lb, cb) = asyncio.run(both())
+        stats = engine.scheduler.stats
+        assert stats.prefill_tokens == PREFIX + len(qa) + len(qb), "the shared prefix was computed once"
+        assert stats.shared_tokens == PREFIX
+        assert sorted([ca.usage.cached_prompt_tokens, cb.usage.cached_prompt_tokens]) == [0, PREFIX]
+        for req, tokens in ((a, ta), (b, tb)):
+            assert tokens == alone(engine, req)[0], "an answer over copied K/V equals its cold answer"
+    finally:
+        engine.close()
+
+
+def test_identical_prompts_on_one_worker_compute_all_but_the_last_token_once(tiny_model):
+    engine = make_engine(tiny_model, MemoryStore(0), cache_dtype="float32", max_prefill_tokens_per_step=32)
+    try:
+        ids = prompt(PREFIX, 7)
+
+        async def three():
+            return await asyncio.gather(*(run_stream(engine, request(ids, n=32)) for _ in range(3)))
+
+        answers = asyncio.run(three())
+        # Each request runs at least its last prompt token itself: its logits start its answer.
+        assert engine.scheduler.stats.prefill_tokens == PREFIX + 2
+        cold = alone(engine, request(ids, n=32))[0]
+        assert all(tokens == cold for tokens, _, _ in answers)
+    finally:
+        engine.close()
+
+
+def test_each_prefill_chunk_publishes_its_blocks(tiny_model):
+    class CountingStore(MemoryStore):
+        def __init__(self):
+            super().__init__(64 << 20)
+            self.writes: list[int] = []
+
+        def put_many(self, items):
+            self.writes.append(len(items))
+            return super().put_many(items)
+
+    store = CountingStore()
+    engine = make_engine(tiny_model, store, max_prefill_tokens_per_step=4 * B)
+    try:
+        asyncio.run(run_stream(engine, request(prompt(PREFIX, 3), n=2)))
+        asyncio.run(engine.wait_for_publishes())
+        assert store.writes == [4] * (PREFIX // (4 * B)), "one publish per chunk, of the chunk's full blocks"
+    finally:
+        engine.close()
+
+
+def lease_of(engine, ids: list[int], block: int) -> str:
+    """The store key of the lease on computing ``ids`` from block ``block`` on, as the worker names it."""
+    return lease_key(block_hashes(engine.namespace(""), ids)[block])
+
+
+def test_a_second_worker_waits_for_the_lease_holders_blocks(tiny_model, redis_url):
+    engines = [make_engine(tiny_model, open_store(redis_url, StoreOptions(), CacheStats()), cache_dtype="float32",
+                           max_prefill_tokens_per_step=32, leases=LeaseOptions(wait_factor=100))
+               for _ in range(2)]
+    try:
+        prefix, questions = prefix_and_questions(4, seed=11)
+        requests = [request(prefix + q, n=8) for q in questions]
+
+        async def burst():
+            return await asyncio.gather(*(run_stream(engines[i % 2], r) for i, r in enumerate(requests)))
+
+        answers = asyncio.run(burst())
+        computed = sum(e.scheduler.stats.prefill_tokens for e in engines)
+        assert computed == PREFIX + sum(map(len, questions)), "the fleet computed the new prefix once"
+        holder, waiter = sorted(engines, key=lambda e: e.scheduler.stats.prefill_tokens, reverse=True)
+        assert waiter.scheduler.stats.prefill_tokens == sum(map(len, questions[1::2])) or \
+            waiter.scheduler.stats.prefill_tokens == sum(map(len, questions[0::2]))
+        # Every wait ended with all blocks there (none, if the holder was done before the lookups).
+        assert set(waiter.cache_stats.lease_waits) <= {"complete"} and not holder.cache_stats.lease_waits
+        s = waiter.cache_stats
+        assert s.block_hits + s.blocks_received == PREFIX // B * 2, "each waiting request fetched the whole prefix"
+        for req, (tokens, _, _) in zip(requests, answers, strict=True):
+            assert tokens == alone(engines[0], req)[0]
+    finally:
+        for e in engines:
+            e.close()
+
+
+def test_a_dead_holders_lease_is_waited_for_only_until_the_bound(tiny_model, redis_server, redis_url):
+    """What a worker killed mid-prefill leaves: its first blocks published and its lease. The
+    waiter fetches those blocks, computes the rest once nothing more comes, answers as cold; the
+    lease expires on its own."""
+    store = open_store(redis_url, StoreOptions(), CacheStats())
+    engine = make_engine(tiny_model, store, cache_dtype="float32", max_prefill_tokens_per_step=32,
+                         leases=LeaseOptions(wait_factor=1, first_ms_per_token=1))
+    try:
+        prefix, (question,) = prefix_and_questions(1, seed=21)
+        ids = prefix + question
+        done_blocks = 8
+        asyncio.run(run_stream(engine, request(ids[: done_blocks * B], n=1)))  # the holder's first chunks
+        asyncio.run(engine.wait_for_publishes())
+        key = lease_of(engine, ids, done_blocks)
+        with redis_server.client() as client:
+            client.set(key, b"a-worker-that-died", px=60_000)
+            tokens, _, last = asyncio.run(run_stream(engine, request(ids, n=8)))
+            assert engine.cache_stats.lease_waits.keys() & {"stalled", "deadline"}
+            assert last.usage.cached_prompt_tokens == done_blocks * B
+            assert tokens == alone(engine, request(ids, n=8))[0]
+            assert 0 < client.pttl(key) <= 60_000, "the dead holder's lease is left to expire"
+            client.pexpire(key, 50)
+            wait_until(lambda: not client.exists(key), what="the lease's expiry")
+    finally:
+        engine.close()
+
+
+def test_a_forged_lease_makes_nobody_wait(tiny_model, redis_server, redis_url):
+    stats = CacheStats()
+    keyring = Keyring.from_secrets([("k1", "s" * 32)])
+    store = SignedStore(open_store(redis_url, StoreOptions(), stats), keyring, stats)
+    engine = make_engine(tiny_model, store, cache_dtype="float32", leases=LeaseOptions(wait_factor=100))
+    try:
+        ids = prompt(PREFIX, 31)
+        with redis_server.client() as client:
+            client.set(lease_of(engine, ids, 0), b"forged", px=60_000)
+        tokens, _, _ = asyncio.run(run_stream(engine, request(ids, n=8)))
+        assert not engine.cache_stats.lease_waits, "an unsigned lease holds nobody back"
+        assert stats.rejected_values.get("unsigned") == 1
+        assert tokens == alone(engine, request(ids, n=8))[0]
+    finally:
+        engine.close()
+
+
+def test_lease_claim_holder_and_release_on_redis(redis_url):
+    store = open_store(redis_url, StoreOptions(), CacheStats())
+    assert store.claim("kvshare:v1:lease:x", b"me", 10_000) == b"me"
+    assert store.claim("kvshare:v1:lease:x", b"other", 10_000) == b"me"
+    assert store.holder("kvshare:v1:lease:x") == b"me"
+    store.release("kvshare:v1:lease:x", b"other")
+    assert store.holder("kvshare:v1:lease:x") == b"me", "only the holder ends its lease"
+    store.release("kvshare:v1:lease:x", b"me")
+    assert store.holder("kvshare:v1:lease:x") is None
+    store.close()
+
+
+def test_burst_over_two_replicas_is_computed_once_and_answers_as_cold(tiny_model, redis_url):
+    with WorkerProcess(tiny_model, "--cache", redis_url, "--block-size", str(B), "--cache-dtype", "float32",
+                       "--max-prefill-tokens-per-step", "32", *PATIENT) as wa, \
+            WorkerProcess(tiny_model, "--cache", redis_url, "--block-size", str(B), "--cache-dtype", "float32",
+                          "--max-prefill-tokens-per-step", "32", *PATIENT) as wb:
+        prefix, questions = prefix_and_questions(6, seed=41)
+
+        def call(target, ids, **cache):
+            with grpc.insecure_channel(target) as channel:
+                req = pb.GenerateRequest(prompt_token_ids=ids, max_new_tokens=8, ignore_eos=True,
+                                         cache=pb.CacheOptions(**cache))
+                return complete(pb_grpc.GeneratorStub(channel), req, timeout_s=120)
+
+        async def burst():
+            loop = asyncio.get_running_loop()
+            return await asyncio.gather(*(loop.run_in_executor(None, call, (wa, wb)[i % 2].target, prefix + q)
+                                          for i, q in enumerate(questions)))
+
+        answers = asyncio.run(burst())
+        computed = sum(len(prefix + q) - r.last.usage.cached_prompt_tokens for q, r in zip(questions, answers, strict=True))
+        assert computed == PREFIX + sum(map(len, questions))
+        for q, r in zip(questions, answers, strict=True):
+            assert r.token_ids == call(wa.target, prefix + q, skip_read=True, skip_write=True).token_ids
+
+
+def test_redis_down_the_burst_computes_and_answers_as_cold(tiny_model, redis_server, redis_url):
+    engines = [make_engine(tiny_model, open_store(redis_url, StoreOptions(), CacheStats()), cache_dtype="float32",
+                           max_prefill_tokens_per_step=32, leases=LeaseOptions(wait_factor=100)) for _ in range(2)]
+    redis_server.kill()
+    try:
+        prefix, questions = prefix_and_questions(4, seed=51)
+        requests = [request(prefix + q, n=8) for q in questions]
+
+        async def burst():
+            return await asyncio.gather(*(run_stream(engines[i % 2], r) for i, r in enumerate(requests)))
+
+        t = time.monotonic()
+        answers = asyncio.run(burst())
+        assert time.monotonic() - t < 60
+        assert not any(e.cache_stats.lease_waits for e in engines), "no lease, no wait"
+        # Each worker still computes the prefix once for its own rows.
+        assert all(e.scheduler.stats.shared_tokens == PREFIX for e in engines)
+        for req, (tokens, _, _) in zip(requests, answers, strict=True):
+            assert tokens == alone(engines[0], req)[0]
+    finally:
+        redis_server.start()
+        for e in engines:
+            e.close()
