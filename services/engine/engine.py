@@ -209,6 +209,8 @@ class Engine:
         """Names this worker as a lease holder; fresh per process, so a restarted worker never
         mistakes its predecessor's lease for its own."""
         self.waits = RunWaits(options.leases.poll_ms)
+        self._awaiting: set[str] = set()
+        """Leases of other workers that a row of this one waits on (under ``_publish_lock``)."""
         self.scheduler = Scheduler(self.slots, scheduling, self, self._read_pool,
                                    PrefillPace(options.leases.first_ms_per_token))
         log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype; the model's own K/V is %s)",
@@ -463,6 +465,14 @@ class Engine:
             return True
         key = seq.lease
         seq.lease = None
+        with self._publish_lock:
+            # One store wait per lease and worker: the worker's other rows wait for that row's
+            # blocks and copy them from it (``Scheduler._plan_share``), not from the store again.
+            if key in self._awaiting:
+                self._fetched(seq, t)
+                return True
+            self._awaiting.add(key)
+            seq.awaiting = True
         run = len(seq.lookup.hashes) - seq.lookup.hit_blocks
         factor, size = self.options.leases.wait_factor, seq.namespace.block_size
         stall_ms = max(MIN_STALL_MS, 3 * factor * self.scheduler.pace.expected_ms(
@@ -471,6 +481,8 @@ class Engine:
         def end(outcome: WaitEnd) -> None:
             self.cache_stats.count("lease_waits", outcome.value)
             self._fetched(seq, t)
+            with self._publish_lock:
+                self._awaiting.discard(key)
             done()
 
         self.cache_stats.add(blocks_awaited=run)

@@ -93,13 +93,16 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
     """(sequence, prompt tokens to run this step), in admission order."""
+    assemble: list[Sequence] = field(default_factory=list)
+    """Sequences whose fetch ended: their cached blocks go into their slots first thing, so that
+    rows waiting for those blocks can copy them whether or not a chunk of theirs runs."""
     share: list[tuple[Sequence, Sequence, int]] = field(default_factory=list)
     """(sequence, earlier row, tokens): the sequence's prompt up to ``tokens`` is copied from
     the earlier row, which holds it, before the step's model runs."""
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill and not self.share
+        return not self.decode and not self.prefill and not self.share and not self.assemble
 
 
 class Hooks(Protocol):
@@ -307,51 +310,73 @@ class Scheduler:
             self._touched[id(seq)] = seq
         self._admit()
         plan = StepPlan()
+        plan.assemble = [s for s in self._active if s.phase is Phase.PREFILLING and not s.assembled]
         budget = self.options.max_prefill_tokens_per_step
         for seq in self._active:
             if seq.phase is Phase.DECODING:
                 if not seq.paused:
                     plan.decode.append(seq)
             elif seq.phase is Phase.PREFILLING and budget > 0:
-                if self._plan_share(seq, plan):
+                held = self._plan_share(seq, plan)
+                if held is None or held == len(seq.prompt):
                     continue
-                n = min(budget, len(seq.prompt) - seq.prefilled)
+                n = min(budget, len(seq.prompt) - held)
                 plan.prefill.append((seq, n))
                 budget -= n
         return plan
 
-    def _plan_share(self, seq: Sequence, plan: StepPlan) -> bool:
-        """In-worker single-flight (lock held): when an earlier row shares full prompt blocks with
+    def _plan_share(self, seq: Sequence, plan: StepPlan) -> int | None:
+        """In-worker single-flight (lock held): when another row shares full prompt blocks with
         ``seq`` beyond what ``seq`` holds, ``seq`` copies what that row holds of them (planned in
         ``plan.share``) and, while that row is still fetching or computing the rest, sits this step
-        out instead of computing the same tokens. True: no chunk of ``seq`` runs this step.
+        out instead of computing the same tokens. Returns the prompt tokens ``seq`` holds once this
+        step's copies are done, or None: it sits this step out.
 
-        Only rows admitted earlier are waited for, and they come first for the prefill budget, so
-        a sequence never waits longer than computing would take it, and waits never form a cycle."""
+        The rows waited for are those admitted earlier, which come first for the prefill budget,
+        and rows waiting in the store for another worker's blocks, whose wait depends on no row
+        (and is bounded: ``run_waits``). So a sequence never waits longer than computing would take
+        it, and waits never form a cycle."""
         if seq.prompt_logprobs is not None or seq.cache.skip_read or seq.lookup is None:
-            return False  # prompt log-probabilities need every position computed; skip_read means cold
+            return seq.prefilled  # prompt log-probabilities need every position computed; skip_read means cold
         size = seq.namespace.block_size
+        earlier = True
         for row in self._active:
             if row is seq:
-                return False
+                earlier = False
+                continue
             if row.lookup is None or row.phase not in (Phase.FETCHING, Phase.PREFILLING, Phase.DECODING):
                 continue
             shared = min(_common_blocks(seq.lookup.hashes, row.lookup.hashes) * size, len(seq.prompt) - 1)
+            if not earlier:
+                if not row.awaiting:
+                    continue
+                if row.phase is not Phase.FETCHING:  # what it fetched, never what it computes
+                    shared = min(shared, row.lookup.hit_blocks * size)
             if shared <= seq.prefilled:
                 continue
-            held = min(shared, row.slot.length) if row.assembled and row.phase is not Phase.FETCHING else 0
+            held = 0
+            if row.assembled and row.phase is not Phase.FETCHING:
+                held = min(shared, row.slot.length)
+            elif row in plan.assemble:  # its cached blocks go into its slot before the copies
+                held = min(shared, row.prefilled)
             if held > seq.prefilled:
                 plan.share.append((seq, row, held))
-                return True
+                return held if held == shared or row.phase is Phase.DECODING else None
             if row.phase is Phase.DECODING:
                 continue
             self.stats.shared_waits += 1
-            return True
-        return False
+            return None
+        return seq.prefilled
 
     def execute(self, plan: StepPlan) -> None:
         """Copies shared prefixes, runs the decode batch, then the prefill chunks; each finished
         run's tokens go out at once."""
+        for seq in plan.assemble:
+            try:
+                self._assemble(seq)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("assembling the cached prompt failed for request %s", seq.request_id)
+                self._fail_all([seq], exc)
         for seq, row, tokens in plan.share:
             try:
                 self._share(seq, row, tokens)
@@ -398,15 +423,19 @@ class Scheduler:
             row.timings.cache_fetch_ms, row.timings.prefill_ms = seq.timings.cache_fetch_ms, seq.timings.prefill_ms
         return [seq, *followers]
 
+    def _assemble(self, seq: Sequence) -> None:
+        """Puts the sequence's cached blocks (and cross K/V) into its slot, once."""
+        if not seq.assembled and not seq.done:
+            self._hooks.begin(seq)
+            seq.assembled = True
+
     def _share(self, seq: Sequence, row: Sequence, tokens: int) -> None:
         """Copies ``row``'s first ``tokens`` tokens into ``seq``'s slot (both hold the same prompt
         up to there): tokens neither computed nor fetched again, counted as cached."""
         if seq.done or row.done:
             return
         t = time.perf_counter()
-        if not seq.assembled:
-            self._hooks.begin(seq)
-            seq.assembled = True
+        self._assemble(seq)
         copied = tokens - seq.prefilled
         self.slots.share(row.slot, seq.slot, tokens)
         seq.prefilled = tokens
@@ -419,9 +448,7 @@ class Scheduler:
     def _prefill(self, seq: Sequence, n: int) -> np.ndarray | None:
         """Runs the next ``n`` prompt tokens of ``seq``; the logits once the prompt is done, else None."""
         t = time.perf_counter()
-        if not seq.assembled:
-            self._hooks.begin(seq)
-            seq.assembled = True
+        self._assemble(seq)
         t_run = time.perf_counter()
         start = seq.prefilled
         chunk = seq.prompt[start : start + n]

@@ -107,6 +107,9 @@ class Sequence:
     published_blocks: int = 0
     """Prompt blocks in the store or on their way there (found, published, or held by the row
     they were copied from): each chunk publishes the full blocks past these."""
+    awaiting: bool = False
+    """Its fetch waits in the store for blocks another worker computes (``run_waits``); the
+    worker's other rows that lack the same blocks wait for this row instead of the store."""
     publishing: Future | None = None
     """The sequence's latest publish of prompt blocks: the next one starts after it."""
     lease: str | None = None

@@ -189,7 +189,10 @@ class SharedSlots(_Bank):
     def _copy_rows(self, source: Slot, targets: Sequence[Slot], start: int, end: int) -> None:
         assert start <= end <= source.length, "copies only tokens the source holds"
         rows = [t.index for t in targets]
-        self._kv[:, :, rows, :, start:end] = self._kv[:, :, source.index : source.index + 1, :, start:end]
+        if len(rows) == 1:  # a plain slice, no gathered temporary: the common case of a shared prefix
+            self._kv[:, :, rows[0], :, start:end] = self._kv[:, :, source.index, :, start:end]
+        else:
+            self._kv[:, :, rows, :, start:end] = self._kv[:, :, source.index : source.index + 1, :, start:end]
         for target in targets:
             self._set_length(target, end)
 
