@@ -1,4 +1,4 @@
-"""The `kvshare` command: serve, generate, chat, build-model, fetch-model, demo."""
+"""The `kvshare` command: serve, route, generate, chat, build-model, fetch-model, demo."""
 
 from __future__ import annotations
 
@@ -40,6 +40,27 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     except (StoreURLError, SecretFileError, StartupError) as exc:
         print(f"kvshare serve: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _route(args: argparse.Namespace) -> int:
+    from services.api.logs import configure_logging
+    from services.errors import StartupError
+    from services.route.config import RouteSettings
+    from services.route.server import serve
+
+    settings = settings_from(args, kind=RouteSettings)
+    problems = settings.problems()
+    for problem in problems:
+        print(f"kvshare route: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    configure_logging(settings.log_level, settings.log_format)
+    try:
+        asyncio.run(serve(settings))
+    except StartupError as exc:
+        print(f"kvshare route: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -136,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve a model folder over gRPC")
     add_settings_flags(serve)
     serve.set_defaults(func=_serve)
+
+    from services.route.config import RouteSettings
+
+    route = sub.add_parser("route", help="forward calls to workers, each prompt prefix to the same worker",
+                           description="A stateless gRPC router in front of workers: each Generate call goes to "
+                                       "the worker that rendezvous hashing picks for the beginning of its prompt "
+                                       "(docs/route.md); other calls go round-robin.")
+    add_settings_flags(route, RouteSettings)
+    route.set_defaults(func=_route)
 
     defaults = argparse.ArgumentDefaultsHelpFormatter
     gen = sub.add_parser("generate", help="stream one completion from a running worker", formatter_class=defaults)

@@ -1,7 +1,9 @@
 """Worker configuration: one typed object, from command-line flags over ``KVSHARE_*`` variables.
 
 Precedence: a flag given on the command line, else the environment variable ``KVSHARE_<FIELD>``
-(upper-case field name), else the default below.
+(upper-case field name), else the default below. ``FlagSettings`` holds that machinery, so that
+another command's settings (``kvshare route``: ``services/route/config.py``) follow the same rules
+under their own prefix.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import get_type_hints
+from typing import ClassVar, Self, TypeVar, get_type_hints
 
 from cachestore.storage_dtype import DEFAULT as DEFAULT_CACHE_DTYPE
 from cachestore.storage_dtype import STORAGE_DTYPES
@@ -19,8 +21,46 @@ from cachestore.storage_dtype import STORAGE_DTYPES
 ENV_PREFIX = "KVSHARE_"
 
 
+class FlagSettings:
+    """Base of a settings dataclass whose fields are flags and ``env_prefix`` variables.
+
+    A field's metadata holds its ``help``, and optionally ``min`` / ``max`` (checked by
+    ``problems``), ``choices`` and flag ``aliases``."""
+
+    __slots__ = ()
+    env_prefix: ClassVar[str] = ENV_PREFIX
+
+    def problems(self) -> list[str]:
+        """Settings outside their allowed range, each as a message naming the flag and variable
+        (empty: all fine). NaN and infinities are out of every range."""
+        found = []
+        for f in fields(self):
+            low, high = f.metadata.get("min"), f.metadata.get("max", math.inf)
+            value = getattr(self, f.name)
+            if low is not None and not (math.isfinite(value) and low <= value <= high):
+                bound = f"at least {low}" if high == math.inf else f"between {low} and {high}"
+                found.append(f"--{f.name.replace('_', '-')} (env {self.env_prefix}{f.name.upper()}) must be a finite "
+                             f"number {bound}, got {value}")
+        return found
+
+    def apply_env(self, environ: dict[str, str] | None = None) -> Self:
+        """Overrides fields from ``env_prefix`` variables; returns self."""
+        environ = os.environ if environ is None else environ
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            name = self.env_prefix + f.name.upper()
+            raw = environ.get(name)
+            if raw is None:
+                continue
+            value = _parse(hints[f.name], raw, name)
+            if "choices" in f.metadata and value not in f.metadata["choices"]:
+                raise SystemExit(f"{name}: {raw!r} is not one of {f.metadata['choices']}")
+            setattr(self, f.name, value)
+        return self
+
+
 @dataclass(slots=True)
-class Settings:
+class Settings(FlagSettings):
     """Everything ``kvshare serve`` can be told. Units are in the names (ms, bytes, s)."""
 
     model: Path | None = field(default=None, metadata={"help": "Model folder in ONNX Runtime GenAI's layout (genai_config.json, *.onnx, tokenizer.json)."})
@@ -67,39 +107,12 @@ class Settings:
     tokenizer_threads: int = field(default=2, metadata={"min": 1, "help": "Threads that render chat templates and tokenize, off the event loop (the tokenizer releases the GIL)."})
     block_size: int = field(default=64, metadata={"min": 1, "help": "Tokens per shared cache block."})
     cache_dtype: str = field(default=DEFAULT_CACHE_DTYPE, metadata={"help": "Element type of K/V in the store: float16 (half the bytes of float32; greedy answers equal computing on every measured prompt), bfloat16 (half the bytes, coarser: some greedy tokens change) or float32 (bit-identical to computing). Part of every key: workers with different values never share blocks.", "choices": list(STORAGE_DTYPES)})
-    lease_wait_factor: float = field(default=1.0, metadata={"min": 0.0, "max": 100.0, "help": "Fleet-wide single-flight: a worker missing a prompt's blocks takes a lease on computing them; one that finds another worker's lease waits for that worker's blocks instead, at most this many times its own expected time to compute them (from its measured prefill pace), less when they stop coming. 0 = no leases: every worker computes what it lacks."})
+    lease_wait_factor: float = field(default=1.0, metadata={"min": 0.0, "max": 100.0, "help": "Fleet-wide single-flight: a worker missing a prompt's blocks takes a lease on computing them; one that finds another worker's lease waits for that worker's blocks instead, and computes them itself once they stop coming or come slower than this many times its own expected time to compute them (from its measured prefill pace). 0 = no leases: every worker computes what it lacks."})
     lease_poll_ms: float = field(default=10.0, metadata={"min": 1.0, "max": 1000.0, "help": "How often a worker waiting for another worker's blocks looks for them in the store."})
     not_serving_s: float = field(default=2.0, metadata={"help": "On SIGTERM, seconds to keep accepting calls while health reports NOT_SERVING, so balancers stop routing here first."})
     drain_s: float = field(default=20.0, metadata={"help": "On SIGTERM, seconds in-flight streams get to finish before the server stops."})
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
     log_format: str = field(default="text", metadata={"help": "Log lines as text, or json (one object per line, for log shippers); one line per finished request either way.", "choices": ["text", "json"]})
-
-    def problems(self) -> list[str]:
-        """Settings outside their allowed range, each as a message naming the flag and variable
-        (empty: all fine). NaN and infinities are out of every range."""
-        found = []
-        for f in fields(self):
-            low, high = f.metadata.get("min"), f.metadata.get("max", math.inf)
-            value = getattr(self, f.name)
-            if low is not None and not (math.isfinite(value) and low <= value <= high):
-                bound = f"at least {low}" if high == math.inf else f"between {low} and {high}"
-                found.append(f"--{f.name.replace('_', '-')} (env {ENV_PREFIX}{f.name.upper()}) must be a finite "
-                             f"number {bound}, got {value}")
-        return found
-
-    def apply_env(self, environ: dict[str, str] | None = None) -> Settings:
-        """Overrides fields from ``KVSHARE_*`` variables; returns self."""
-        environ = os.environ if environ is None else environ
-        hints = get_type_hints(Settings)
-        for f in fields(self):
-            raw = environ.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
-                continue
-            value = _parse(hints[f.name], raw, ENV_PREFIX + f.name.upper())
-            if "choices" in f.metadata and value not in f.metadata["choices"]:
-                raise SystemExit(f"{ENV_PREFIX}{f.name.upper()}: {raw!r} is not one of {f.metadata['choices']}")
-            setattr(self, f.name, value)
-        return self
 
 
 def _parse(kind: type, raw: str, origin: str):
@@ -110,25 +123,29 @@ def _parse(kind: type, raw: str, origin: str):
         raise SystemExit(f"{origin}: cannot read {raw!r} as {target.__name__}") from exc
 
 
-def add_settings_flags(parser: argparse.ArgumentParser) -> None:
-    """Adds one ``--field-name`` flag per Settings field (default None: fall through to env)."""
-    hints = get_type_hints(Settings)
-    for f in fields(Settings):
-        kind = hints[f.name]
+def add_settings_flags(parser: argparse.ArgumentParser, kind: type[FlagSettings] = Settings) -> None:
+    """Adds one ``--field-name`` flag per field of ``kind`` (default None: fall through to env)."""
+    hints = get_type_hints(kind)
+    for f in fields(kind):
+        flag_type = hints[f.name]
         parser.add_argument(
             "--" + f.name.replace("_", "-"),
             *f.metadata.get("aliases", ()),
             dest=f.name,
-            type=Path if kind == (Path | None) else kind,
+            type=Path if flag_type == (Path | None) else flag_type,
             choices=f.metadata.get("choices"),
             default=None,
-            help=f"{f.metadata['help']} (env {ENV_PREFIX}{f.name.upper()}, default {f.default})",
+            help=f"{f.metadata['help']} (env {kind.env_prefix}{f.name.upper()}, default {f.default})",
         )
 
 
-def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Settings:
-    settings = Settings().apply_env(environ)
-    for f in fields(Settings):
+S = TypeVar("S", bound=FlagSettings)
+
+
+def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = None, kind: type[S] = Settings) -> S:
+    """A ``kind`` from its defaults, overridden by the environment, overridden by the flags given."""
+    settings = kind().apply_env(environ)
+    for f in fields(kind):
         value = getattr(args, f.name, None)
         if value is not None:
             setattr(settings, f.name, value)

@@ -473,7 +473,7 @@ class Engine:
                 return True
             self._awaiting.add(key)
             seq.awaiting = True
-        run = len(seq.lookup.hashes) - seq.lookup.hit_blocks
+        run = len(seq.lookup.hashes) - seq.lookup.hit_blocks  # blocks awaited
         factor, size = self.options.leases.wait_factor, seq.namespace.block_size
         stall_ms = max(MIN_STALL_MS, 3 * factor * self.scheduler.pace.expected_ms(
             self.scheduler.options.max_prefill_tokens_per_step))
@@ -491,7 +491,7 @@ class Engine:
             missing=lambda: len(seq.lookup.hashes) - seq.lookup.hit_blocks,
             held=lambda: self.store.holder(key) == holder,
             cancelled=lambda: seq.aborted or seq.done,
-            deadline=time.monotonic() + factor * self.scheduler.pace.expected_ms(run * size) / 1e3,
+            compute_s=lambda blocks: factor * self.scheduler.pace.expected_ms(blocks * size) / 1e3,
             stall_s=stall_ms / 1e3,
             on_end=end,
         ))

@@ -9,12 +9,13 @@ The wait ends, and the sequence computes whatever it still lacks, at the first o
 - every block of the run has arrived (the common case: nothing computed twice);
 - the lease is gone with blocks still missing (the holder finished a shorter prompt, or failed);
 - no block arrived for ``stall`` (the holder died, or is too busy to be worth waiting for);
-- the deadline: the time this worker would have needed to compute the whole run itself, from its
-  own measured prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
+- waiting has become slower than computing: at the pace the holder's blocks have arrived so far,
+  the missing ones would take longer than this worker computing them now, from its own measured
+  prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
 
-So a wait costs at most what computing would have, and a store that is slow, down or hostile
-(a forged lease: see ``SignedStore.claim``) costs at most that bound, never a wrong token. One
-thread polls every waiting sequence; no read thread is held by a wait.
+So a wait lasts about as long as computing would have at most, and a store that is slow, down or
+hostile (a forged lease: see ``SignedStore.claim``) costs at most the stall bound, never a wrong
+token. One thread polls every waiting sequence; no read thread is held by a wait.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ holder's chunks are quick."""
 @dataclass(frozen=True, slots=True)
 class LeaseOptions:
     wait_factor: float = 1.0
-    """A waiter waits at most this many times its own expected time to compute the run; 0 turns
-    leases off (every worker computes what it lacks)."""
+    """A waiter computes the missing blocks itself once waiting for them looks slower than this
+    many times its own expected time to compute them; 0 turns leases off (every worker computes
+    what it lacks)."""
     poll_ms: float = 10.0
     """How often a waiter looks for newly published blocks (ms)."""
     first_ms_per_token: float = 1.0
@@ -73,7 +75,7 @@ class WaitEnd(Enum):
     COMPLETE = "complete"
     RELEASED = "released"
     STALLED = "stalled"
-    DEADLINE = "deadline"
+    SLOWER = "slower"
     CANCELLED = "cancelled"
 
 
@@ -89,12 +91,14 @@ class RunWait:
     """Whether the other worker still holds the lease."""
     cancelled: Callable[[], bool]
     """The request went away: stop waiting."""
-    deadline: float
-    """time.monotonic() past which computing would have been done: stop waiting."""
+    compute_s: Callable[[int], float]
+    """Seconds this worker would take to compute that many missing blocks (wait factor included)."""
     stall_s: float
     on_end: Callable[[WaitEnd], None]
     """Called once, on the polling thread, when the wait ends."""
+    started: float = field(default_factory=time.monotonic)
     last_progress: float = field(default_factory=time.monotonic)
+    received: int = 0
 
 
 class RunWaits:
@@ -154,14 +158,17 @@ class RunWaits:
         if wait.cancelled():
             return WaitEnd.CANCELLED
         now = time.monotonic()
-        if wait.fetch_more():
+        arrived = wait.fetch_more()
+        if arrived:
             wait.last_progress = now
-        if not wait.missing():
+            wait.received += arrived
+        missing = wait.missing()
+        if not missing:
             return WaitEnd.COMPLETE
-        if now >= wait.deadline:
-            return WaitEnd.DEADLINE
         if now - wait.last_progress >= wait.stall_s:
             return WaitEnd.STALLED
+        if wait.received and missing * (now - wait.started) / wait.received > wait.compute_s(missing):
+            return WaitEnd.SLOWER
         if not wait.held():
             # The holder publishes its last blocks before it releases: one more read decides.
             wait.fetch_more()

@@ -1,4 +1,4 @@
-"""Starts `kvshare serve` as a child process and waits until it is healthy.
+"""Starts `kvshare serve` (or `kvshare route`) as a child process and waits until it is healthy.
 
 Used by the demo, the benchmarks and the tests, so each of them runs the real server binary
 path the way a user does.
@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
@@ -19,27 +20,30 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 _LISTENING = "kvshare listening on "
 
 
-class WorkerProcess:
-    """A running `kvshare serve`; ``target`` is its host:port. Always call ``stop()`` (or use ``with``)."""
+class ServerProcess:
+    """A running `kvshare COMMAND ...` that prints ``kvshare listening on HOST:PORT``; ``target`` is
+    that host:port, ``log_lines`` its output so far. Always call ``stop()`` (or use ``with``)."""
 
-    def __init__(self, model: Path, *extra_args: str, env: dict[str, str] | None = None,
-                 startup_timeout_s: float = 60.0, log_path: Path | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
-        """``credentials``: how to reach a worker serving TLS (for the health check; None: plaintext)."""
+    def __init__(self, arguments: Sequence[str], env: dict[str, str] | None = None, startup_timeout_s: float = 60.0,
+                 log_path: Path | None = None, credentials: grpc.ChannelCredentials | None = None,
+                 wait_serving: bool = True) -> None:
+        """``arguments``: the command and its flags, after ``kvshare``. ``credentials``: how to reach a
+        server speaking TLS (for the health check; None: plaintext). ``wait_serving``: wait until the
+        health service says SERVING (False: until the port is printed)."""
         self.credentials = credentials
-        command = [sys.executable, "-m", "services.api.cli", "serve", "--model", str(model), "--port", "0", *extra_args]
+        self.command = arguments[0]
         self.log_lines: list[str] = []
         self._log_file = log_path.open("w") if log_path else None
         self._process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[2],
+            [sys.executable, "-m", "services.api.cli", *arguments], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[2],
         )
         self._port_ready = threading.Event()
         self.target = ""
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
         try:
-            self._wait_healthy(startup_timeout_s)
+            self._wait_started(startup_timeout_s, wait_serving)
         except BaseException:
             self.stop()
             raise
@@ -58,12 +62,14 @@ class WorkerProcess:
                 self.target = line[len(_LISTENING):].strip()
                 self._port_ready.set()
 
-    def _wait_healthy(self, timeout_s: float) -> None:
+    def _wait_started(self, timeout_s: float, wait_serving: bool) -> None:
         deadline = time.monotonic() + timeout_s
         while not self._port_ready.wait(0.05):
             if self._process.poll() is not None or time.monotonic() > deadline:
                 self._reader.join(1)
-                raise RuntimeError("kvshare serve did not start:\n" + "\n".join(self.log_lines[-40:]))
+                raise RuntimeError(f"kvshare {self.command} did not start:\n" + "\n".join(self.log_lines[-40:]))
+        if not wait_serving:
+            return
         with self.channel() as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
@@ -74,11 +80,11 @@ class WorkerProcess:
                 except grpc.RpcError:
                     pass
                 if self._process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("kvshare serve never became healthy:\n" + "\n".join(self.log_lines[-40:]))
+                    raise RuntimeError(f"kvshare {self.command} never became healthy:\n" + "\n".join(self.log_lines[-40:]))
                 time.sleep(0.05)
 
     def channel(self) -> grpc.Channel:
-        """A channel to the worker, over TLS when it was started with ``credentials``."""
+        """A channel to the server, over TLS when it was started with ``credentials``."""
         if self.credentials is None:
             return grpc.insecure_channel(self.target)
         return grpc.secure_channel(self.target, self.credentials)
@@ -97,8 +103,28 @@ class WorkerProcess:
             self._log_file.close()
         return self._process.returncode
 
-    def __enter__(self) -> WorkerProcess:
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class WorkerProcess(ServerProcess):
+    """A running `kvshare serve --model MODEL --port 0 EXTRA_ARGS...`."""
+
+    def __init__(self, model: Path, *extra_args: str, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 60.0, log_path: Path | None = None,
+                 credentials: grpc.ChannelCredentials | None = None) -> None:
+        super().__init__(["serve", "--model", str(model), "--port", "0", *extra_args], env, startup_timeout_s,
+                         log_path, credentials)
+
+
+class RouterProcess(ServerProcess):
+    """A running `kvshare route --workers WORKERS --port 0 EXTRA_ARGS...` (healthy once at least one
+    worker is; ``wait_serving=False`` for a router whose workers are down)."""
+
+    def __init__(self, workers: Sequence[str], *extra_args: str, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 60.0, log_path: Path | None = None, wait_serving: bool = True) -> None:
+        super().__init__(["route", "--workers", ",".join(workers), "--port", "0", *extra_args], env,
+                         startup_timeout_s, log_path, wait_serving=wait_serving)

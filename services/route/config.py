@@ -1,0 +1,63 @@
+"""Router configuration: flags over ``KVSHARE_ROUTE_*`` variables over defaults, the same rules as
+the worker's settings (``services/api/config.py``) under a prefix of its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from services.api.config import FlagSettings
+
+ROUTE_ENV_PREFIX = "KVSHARE_ROUTE_"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``host:port`` or ``[v6 address]:port`` as (host, port); ValueError says what is wrong."""
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{address!r} is not HOST:PORT")
+    if host.startswith("[") != host.endswith("]") or (":" in host and not host.startswith("[")):
+        raise ValueError(f"{address!r}: an IPv6 address goes in brackets, [ADDRESS]:PORT")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(slots=True)
+class RouteSettings(FlagSettings):
+    """Everything ``kvshare route`` can be told. Units are in the names (s, bytes)."""
+
+    env_prefix: ClassVar[str] = ROUTE_ENV_PREFIX
+
+    host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on; 0.0.0.0 inside a container."})
+    port: int = field(default=50050, metadata={"help": "TCP port; 0 picks a free one (the chosen port is printed)."})
+    workers: str = field(default="", metadata={"help": "Workers as HOST:PORT,HOST:PORT (a fixed set); or use --workers-dns."})
+    workers_dns: str = field(default="", metadata={"help": "NAME:PORT of a headless Kubernetes Service: every A/AAAA record of NAME is a worker, re-resolved every --discovery-interval-s."})
+    discovery_interval_s: float = field(default=5.0, metadata={"min": 0.1, "help": "Seconds between DNS look-ups of --workers-dns."})
+    health_interval_s: float = field(default=2.0, metadata={"min": 0.05, "help": "Seconds between grpc.health.v1 checks of each worker; one that is not SERVING gets no new calls until it is again."})
+    health_timeout_s: float = field(default=1.0, metadata={"min": 0.01, "help": "Deadline of one health check; past it the worker counts as unhealthy."})
+    route_prefix_bytes: int = field(default=256, metadata={"min": 1, "help": "Leading UTF-8 bytes of a prompt (or of its messages' roles and contents) that choose its worker: requests that agree on them go to the same worker."})
+    max_streams_per_worker: int = field(default=0, metadata={"min": 0, "help": "Generate streams this router keeps open to one worker before sending a prefix to its next-best worker (the least loaded when all are at the bound); 0 = no bound."})
+    max_message_bytes: int = field(default=4 * 1024 * 1024, metadata={"min": 1, "help": "Largest request message; larger ones are refused with RESOURCE_EXHAUSTED. Keep it equal to the workers' --max-message-bytes."})
+    not_serving_s: float = field(default=2.0, metadata={"min": 0.0, "max": 3600.0, "help": "On SIGTERM, seconds to keep forwarding calls while health reports NOT_SERVING, so balancers stop sending here first."})
+    drain_s: float = field(default=20.0, metadata={"min": 0.0, "max": 86400.0, "help": "On SIGTERM, seconds in-flight streams get to finish before the router stops."})
+    log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
+    log_format: str = field(default="text", metadata={"help": "Log lines as text, or json (one object per line, for log shippers).", "choices": ["text", "json"]})
+
+    def problems(self) -> list[str]:
+        """Out-of-range numbers (as for the worker), and a worker set that is not exactly one of
+        --workers and --workers-dns, or holds an address that is not HOST:PORT."""
+        # FlagSettings.problems by name: zero-argument super() fails in a slots dataclass.
+        found = FlagSettings.problems(self)
+        if bool(self.workers.strip()) == bool(self.workers_dns.strip()):
+            found.append(f"give the workers with exactly one of --workers HOST:PORT,... (env {ROUTE_ENV_PREFIX}WORKERS) "
+                         f"and --workers-dns NAME:PORT (env {ROUTE_ENV_PREFIX}WORKERS_DNS)")
+            return found
+        for address in self.static_workers() or [self.workers_dns]:
+            try:
+                split_host_port(address)
+            except ValueError as exc:
+                found.append(f"--workers{'-dns' if self.workers_dns else ''}: {exc}")
+        return found
+
+    def static_workers(self) -> list[str]:
+        """The addresses of --workers, in order, without duplicates (empty with --workers-dns)."""
+        return list(dict.fromkeys(a.strip() for a in self.workers.split(",") if a.strip()))

@@ -1,0 +1,110 @@
+"""Forwards every method of ``kvshare.v1.Generator`` to a worker, as raw bytes.
+
+What passes through unchanged: the request bytes (only a Generate request is parsed, for its
+routing key), the caller's metadata (``authorization`` included; gRPC's own headers are set again by
+the router's channel), the time left to the caller's deadline, every response message as soon as
+it arrives, and the worker's status code, details and trailing metadata. A caller that cancels
+cancels the worker's call. The router's own failures are UNAVAILABLE and say so; a call that fails
+UNAVAILABLE at a worker before anything reached the caller is tried once more on the next-best
+worker, the failed one marked unhealthy meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from kvshare.v1 import generator_pb2 as pb
+from services.route.rendezvous import RoundRobin, choose
+from services.route.routing_key import routing_key
+from services.route.upstreams import GENERATOR_SERVICE, Upstream, UpstreamSet
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 2
+"""A call goes to at most two workers: the first choice and, after an UNAVAILABLE, the next-best."""
+
+# Metadata the router's own channel sets; passing the caller's copy on would duplicate or clash.
+_NOT_FORWARDED = ("user-agent",)
+_RESERVED_PREFIXES = ("grpc-", ":")
+
+
+def _forwardable(metadata) -> tuple[tuple[str, str | bytes], ...]:
+    return tuple((k, v) for k, v in metadata or () if k not in _NOT_FORWARDED and not k.startswith(_RESERVED_PREFIXES))
+
+
+class Proxy:
+    """The router's Generator methods. ``prefix_bytes``: ``RouteSettings.route_prefix_bytes``;
+    ``max_streams``: ``RouteSettings.max_streams_per_worker`` (0: no bound)."""
+
+    def __init__(self, upstreams: UpstreamSet, prefix_bytes: int, max_streams: int) -> None:
+        self._upstreams = upstreams
+        self._prefix_bytes = prefix_bytes
+        self._max_streams = max_streams
+        self._round_robin = RoundRobin()
+
+    def method_handlers(self) -> dict[str, grpc.RpcMethodHandler]:
+        """One handler per method of the service descriptor, bytes in and bytes out (no
+        serializers: gRPC hands over and takes the raw message). Generate is keyed by its prompt;
+        the other methods go round-robin."""
+        handlers = {}
+        for method in pb.DESCRIPTOR.services_by_name["Generator"].methods:
+            if method.client_streaming:
+                raise TypeError(f"{method.full_name}: client-streaming methods are not forwarded")
+            path, keyed, streaming = f"/{GENERATOR_SERVICE}/{method.name}", method.name == "Generate", method.server_streaming
+
+            async def forward(request: bytes, context: grpc.aio.ServicerContext, path=path, keyed=keyed,
+                              streaming=streaming) -> bytes | None:
+                try:
+                    return await self._forward(path, request, context, keyed, streaming)
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a router bug still leaves as a status, never UNKNOWN
+                    log.error("internal error forwarding %s", path, exc_info=exc)
+                    await context.abort(grpc.StatusCode.INTERNAL, f"router internal error: {type(exc).__name__}: {exc}")
+
+            make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
+            handlers[method.name] = make(forward)
+        return handlers
+
+    def _pick(self, key: bytes | None) -> Upstream | None:
+        healthy = self._upstreams.healthy()
+        return self._round_robin.choose(healthy) if key is None else choose(key, healthy, self._max_streams)
+
+    async def _forward(self, path: str, request: bytes, context: grpc.aio.ServicerContext, keyed: bool,
+                       streaming: bool) -> bytes | None:
+        """Sends the call to its worker and passes the answer on: a streaming call's messages one
+        by one through ``context.write`` (returns None), a unary call's response as it returns."""
+        metadata = _forwardable(context.invocation_metadata())
+        key = routing_key(request, metadata, self._prefix_bytes) if keyed else None
+        for attempt in range(1, ATTEMPTS + 1):
+            upstream = self._pick(key)
+            if upstream is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    f"no healthy worker among {len(self._upstreams.members)}")
+            with self._upstreams.using(upstream, streaming) as channel:
+                call = (channel.unary_stream if streaming else channel.unary_unary)(path)(
+                    request, metadata=metadata, timeout=context.time_remaining())
+                sent = False
+                try:
+                    response = None
+                    if streaming:
+                        # context.write, not a generator's yield: a caller who cancels cancels this
+                        # coroutine at once, so the finally below cancels the worker's call now, not
+                        # when a suspended generator is collected.
+                        async for message in call:
+                            await context.write(message)
+                            sent = True
+                    else:
+                        response = await call
+                    context.set_trailing_metadata(_forwardable(await call.trailing_metadata()))
+                    return response
+                except grpc.aio.AioRpcError as err:
+                    if err.code() is grpc.StatusCode.UNAVAILABLE and not sent:
+                        await self._upstreams.mark_unhealthy(upstream, f"{err.code().name}: {err.details()}")
+                        if attempt < ATTEMPTS:
+                            continue
+                    await context.abort(err.code(), err.details() or "", _forwardable(err.trailing_metadata()))
+                finally:
+                    call.cancel()

@@ -1,0 +1,70 @@
+"""The routing key of a Generate request: a hash of the beginning of its prompt, its cache salt and
+its caller.
+
+The router has no tokenizer, so it routes on what the client sent, the way SGLang's cache-aware
+router routes on text prefixes. Prompts that begin with the same ``route_prefix_bytes`` bytes
+(256: about one 64-token block of text) begin with the same tokens, so they share at least their
+first cached blocks and go to the same worker, where the later ones meet the K/V of the first in
+that worker's memory L1. Prompts sharing less than that may go to different workers even when they
+share a block; so the setting belongs below the length of the prefixes worth keeping together (a
+system prompt), not above.
+
+A key is a routing hint, never a cache key: two different prompts with the same key merely meet
+on one worker, and the worker's own keys (``cachestore/keys.py``) keep their K/V apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+
+from kvshare.v1 import generator_pb2 as pb
+
+PROMPT_TOKEN_IDS_ROUTED = 64
+"""Leading ``prompt_token_ids`` that choose the worker: one block of the default block size."""
+
+_SEPARATOR = b"\x00"
+
+
+def prompt_prefix(request: pb.GenerateRequest, prefix_bytes: int) -> bytes | None:
+    """The first ``prefix_bytes`` UTF-8 bytes of ``prompt``, or of the messages' roles and contents
+    joined as ``role NUL content NUL ...`` (what a chat template renders first comes first), or
+    the first ``PROMPT_TOKEN_IDS_ROUTED`` ids as int32 little-endian; each after a one-byte tag, so
+    a text and a conversation never share a key by accident. None for a request without a prompt
+    (the worker refuses it). Costs O(``prefix_bytes``), not O(prompt): only that much is encoded."""
+    if request.prompt:
+        # A character is at least one byte: encoding this many characters covers prefix_bytes.
+        return b"p" + request.prompt[:prefix_bytes].encode()[:prefix_bytes]
+    if request.messages:
+        joined = bytearray()
+        for message in request.messages:
+            joined += message.role[:prefix_bytes].encode() + _SEPARATOR
+            joined += message.content[:prefix_bytes].encode() + _SEPARATOR
+            if len(joined) >= prefix_bytes:
+                break
+        return b"m" + bytes(joined[:prefix_bytes])
+    if request.prompt_token_ids:
+        ids = request.prompt_token_ids[:PROMPT_TOKEN_IDS_ROUTED]
+        return b"t" + b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+    return None
+
+
+def routing_key(request_bytes: bytes, metadata: Iterable[tuple[str, str | bytes]], prefix_bytes: int) -> bytes | None:
+    """The key of a serialized GenerateRequest: BLAKE2b over its prompt prefix, its ``cache.salt``
+    and its ``authorization`` metadata (tenants never share cached blocks, so their requests need
+    not meet); salt and caller are length-prefixed, so no two different pairs hash alike. None
+    when the bytes do not parse or the request has no prompt: such a call goes round-robin and its
+    worker answers it."""
+    try:
+        request = pb.GenerateRequest.FromString(request_bytes)
+    except Exception:  # noqa: BLE001 - whatever FromString raises, the worker will say why
+        return None
+    prefix = prompt_prefix(request, prefix_bytes)
+    if prefix is None:
+        return None
+    caller = b"\x00".join(v if isinstance(v, bytes) else v.encode() for k, v in metadata if k == "authorization")
+    key = hashlib.blake2b(digest_size=16)
+    for part in (request.cache.salt.encode(), caller):
+        key.update(len(part).to_bytes(8, "little") + part)
+    key.update(prefix)
+    return key.digest()

@@ -1,0 +1,83 @@
+"""Runs the router: the forwarding Generator, grpc.health.v1 health, server reflection, SIGTERM.
+
+Its health service says SERVING while at least one worker is healthy, so a balancer or kubelet in
+front of routers stops sending to a router that could only answer UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.errors import StartupError
+from services.route.config import RouteSettings, split_host_port
+from services.route.proxy import Proxy
+from services.route.upstreams import GENERATOR_SERVICE, Discovery, DnsWorkers, StaticWorkers, UpstreamSet
+
+log = logging.getLogger(__name__)
+
+
+def discovery(settings: RouteSettings) -> Discovery:
+    """The worker set the settings name (already checked by ``RouteSettings.problems``)."""
+    if settings.workers_dns:
+        name, port = split_host_port(settings.workers_dns)
+        return DnsWorkers(name, port, settings.discovery_interval_s)
+    return StaticWorkers(tuple(settings.static_workers()))
+
+
+async def serve(settings: RouteSettings) -> None:
+    """Serves until SIGTERM or SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while
+    still forwarding calls, and stops, giving in-flight streams ``drain_s`` seconds to finish."""
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", settings.max_message_bytes),
+        # What the workers send is bounded by their own --max-message-bytes.
+        ("grpc.max_send_message_length", -1),
+        # As for `kvshare serve`: a second router on a taken port must fail, not share the port.
+        ("grpc.so_reuseport", 0),
+    ])
+    health_servicer = health.aio.HealthServicer()
+
+    async def on_serving(serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", GENERATOR_SERVICE):
+            await health_servicer.set(service, status)
+        if not serving:
+            log.warning("no healthy worker: calls are answered UNAVAILABLE until one is")
+
+    upstreams = UpstreamSet(discovery(settings), settings.health_interval_s, settings.health_timeout_s, on_serving)
+    handlers = Proxy(upstreams, settings.route_prefix_bytes, settings.max_streams_per_worker).method_handlers()
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GENERATOR_SERVICE, handlers),))
+    server.add_registered_method_handlers(GENERATOR_SERVICE, handlers)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (GENERATOR_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+    )
+    try:
+        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+    except RuntimeError as exc:  # gRPC's only signal that the bind failed
+        raise StartupError(f"cannot listen on {settings.host}:{settings.port}: the address is in use or not "
+                           "available here; pick another --port (0 picks a free one)") from exc
+    await upstreams.start()
+    await server.start()
+    # Tests and scripts read this line to learn the port when --port 0 was given.
+    print(f"kvshare listening on {settings.host}:{port}", flush=True)
+    log.info("routing on %s:%d to %d worker(s) (%d healthy), by the first %d bytes of each prompt%s",
+             settings.host, port, len(upstreams.members), len(upstreams.healthy()), settings.route_prefix_bytes,
+             f", at most {settings.max_streams_per_worker} streams per worker" if settings.max_streams_per_worker else "")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: NOT_SERVING for %.1f s, then draining for up to %.1f s", settings.not_serving_s, settings.drain_s)
+    await health_servicer.enter_graceful_shutdown()
+    await asyncio.sleep(settings.not_serving_s)
+    await server.stop(settings.drain_s)
+    await upstreams.close()
+    log.info("stopped")
