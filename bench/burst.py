@@ -8,6 +8,9 @@ prefix, and how late is the slowest first token against one cold request alone?
 - TTFT p50 / p99 (server-side, ms) of the burst's requests against the median TTFT of the same
   prompt shape sent alone, cold, to an idle fleet.
 
+Each replica count ends with one more burst while Redis is down: it must complete with the same
+answers, each worker computing the prefix once for its own requests.
+
 Every answer is compared with the same prompt computed cold (greedy, EOS ignored).
 
     .venv/bin/python -m bench.burst [--smoke] [--model DIR] [--requests N] [--replicas R [R ...]]
@@ -76,6 +79,11 @@ def send_burst(f: Fleet, prompts: list[list[int]]) -> list[Answer]:
     return asyncio.run(run())
 
 
+def row(name: str, computed: list[float], cold_ms: float, ttfts: list[float]) -> tuple:
+    p50, p99 = float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99))
+    return name, float(np.mean(computed)), cold_ms, p50, p99, p99 / cold_ms
+
+
 def main() -> int:
     def options(parser) -> None:
         parser.add_argument("--requests", type=int, default=8)
@@ -110,9 +118,17 @@ def main() -> int:
                 print(f"{replicas} replicas: prefix computed {computed[-1]:.2f}x, slowest first token "
                       f"{max(a.ttft_ms for a in answers):.0f} ms, burst done in {span_s:.2f} s", flush=True)
                 f.client.flushdb()
-            p50, p99 = float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99))
-            rows.append((f"{args.requests} requests / {replicas} replicas", float(np.mean(computed)), cold_ms, p50, p99,
-                         p99 / cold_ms))
+            rows.append(row(f"{args.requests} requests / {replicas} replicas", computed, cold_ms, ttfts))
+            # The same burst with Redis down: leases and blocks are gone; each worker computes once.
+            f.redis.kill()
+            prefix = model.random_ids(rng, prefix_len)
+            prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(args.requests)]
+            answers = send_burst(f, prompts)
+            references = [complete(f.stubs[0], request(p, cold=True), CALL_TIMEOUT_S).token_ids for p in prompts]
+            wrong += sum(a.tokens != r for a, r in zip(answers, references, strict=True))
+            down = [sum(prefix_len - min(a.cached, prefix_len) for a in answers) / prefix_len]
+            rows.append(row("same, Redis down", down, cold_ms, [a.ttft_ms for a in answers]))
+            f.redis.start()
     print_table(f"{model.name} model, new {prefix_len}-token prefix + {QUESTION_TOKENS}-token questions, sent at once "
                 f"round-robin; {bursts} bursts each; server-side TTFT",
                 ("burst", "prefix computed fleet-wide (x)", "cold alone TTFT ms", "burst TTFT p50 ms",
