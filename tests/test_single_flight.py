@@ -23,6 +23,7 @@ from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
 from services.engine.run_waits import LeaseOptions
 from services.local.worker_process import WorkerProcess
+from services.runtime.kv_layout import KVLayout
 
 PREFIX = 24 * B  # 384 tokens: many prefill chunks of 32
 PATIENT = ("--lease-wait-factor", "100")
@@ -33,9 +34,12 @@ def prefix_and_questions(count: int, seed: int = 0) -> tuple[list[int], list[lis
     return prompt(PREFIX, seed), [prompt(B // 2 + i, seed + 100 + i) for i in range(count)]
 
 
-def test_two_concurrent_requests_on_one_worker_compute_their_shared_prefix_once(tiny_model):
+@pytest.mark.parametrize("layout", [KVLayout.SEPARATE, KVLayout.COMBINED])
+def test_two_concurrent_requests_on_one_worker_compute_their_shared_prefix_once(model_dirs, layout):
+    """On shared-buffer rows (separate K/V) and on per-row caches (the combined layout) alike."""
     # A store that keeps nothing: whatever the second request does not compute, it copied from the first's row.
-    engine = make_engine(tiny_model, MemoryStore(0), cache_dtype="float32", max_prefill_tokens_per_step=32)
+    engine = make_engine(model_dirs["tiny", layout], MemoryStore(0), cache_dtype="float32",
+                         max_prefill_tokens_per_step=32)
     try:
         prefix, (qa, qb) = prefix_and_questions(2)
         a, b = request(prefix + qa, n=64), request(prefix + qb, n=64)
