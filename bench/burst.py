@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from bench.batch import GenAIEngine
 from bench.fleet import (
     CALL_TIMEOUT_S,
     QUESTION_TOKENS,
@@ -84,6 +85,22 @@ def row(name: str, computed: list[float], cold_ms: float, ttfts: list[float]) ->
     return name, float(np.mean(computed)), cold_ms, p50, p99, p99 / cold_ms
 
 
+def genai_rows(model, rng: np.random.Generator, requests: int, prefix_len: int, bursts: int) -> list[tuple]:
+    """The peer: ONNX Runtime GenAI's og.Engine (one process, its own prefix cache, ``requests``
+    static-batching rows) on the same folder, given the same bursts; the prefix it computed is not
+    reported, so that column is empty."""
+    genai = GenAIEngine(model, requests)
+    alone = [genai.load([model.random_ids(rng, prefix_len + QUESTION_TOKENS)], [NEW_TOKENS]).streams[0].ttft * 1e3
+             for _ in range(max(1, bursts))]
+    ttfts = []
+    for _ in range(bursts):
+        prefix = model.random_ids(rng, prefix_len)
+        prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(requests)]
+        ttfts += [s.ttft * 1e3 for s in genai.load(prompts, [NEW_TOKENS] * requests).streams]
+    _, _, cold_ms, p50, p99, ratio = row("", [0.0], median(alone), ttfts)
+    return [(f"og.Engine, {requests} requests, one process", "", cold_ms, p50, p99, ratio)]
+
+
 def main() -> int:
     def options(parser) -> None:
         parser.add_argument("--requests", type=int, default=8)
@@ -129,8 +146,9 @@ def main() -> int:
             down = [sum(prefix_len - min(a.cached, prefix_len) for a in answers) / prefix_len]
             rows.append(row("same, Redis down", down, cold_ms, [a.ttft_ms for a in answers]))
             f.redis.start()
+    rows += genai_rows(model, rng, args.requests, prefix_len, bursts)
     print_table(f"{model.name} model, new {prefix_len}-token prefix + {QUESTION_TOKENS}-token questions, sent at once "
-                f"round-robin; {bursts} bursts each; server-side TTFT",
+                f"round-robin; {bursts} bursts each; server-side TTFT (og.Engine: in-process, from submission)",
                 ("burst", "prefix computed fleet-wide (x)", "cold alone TTFT ms", "burst TTFT p50 ms",
                  "burst TTFT p99 ms", "p99 / cold"), rows)
     print(f"\nanswers differing from cold: {wrong}")
