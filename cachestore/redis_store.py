@@ -46,9 +46,15 @@ def _more_to_read(connection: redis.connection.AbstractConnection) -> bool:
 
 
 _RELEASE_IF_HELD = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+if redis.call('TYPE', KEYS[1]).ok == 'string' and redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
 return 0
 """
+
+
+def _wrong_type(reply: object) -> bool:
+    return isinstance(reply, redis.ResponseError) and str(reply).startswith("WRONGTYPE")
 
 # First match wins: authentication errors are connection errors to redis-py, OOM a response error.
 _ERROR_KINDS: tuple[tuple[str, type | tuple[type, ...]], ...] = (
@@ -123,7 +129,7 @@ class RedisStore(KVStore):
             try:
                 return connection.read_response()
             except redis.ResponseError as exc:
-                if str(exc).startswith("WRONGTYPE"):
+                if _wrong_type(exc):
                     return None  # a key holding a list or hash: a miss, as MGET reads it (put_many replaces it)
                 raise
 
@@ -192,14 +198,30 @@ class RedisStore(KVStore):
 
     def claim(self, key: str, token: bytes, ttl_ms: int) -> bytes | None:
         """``SET key token NX PX ttl`` and ``GET key`` in one round trip (any Redis version: no
-        ``SET … GET``); the ``GET`` names whoever holds the lease now."""
-        pipe = self._client.pipeline(transaction=False)
-        pipe.set(key, token, nx=True, px=max(1, ttl_ms))
-        pipe.get(key)
-        return _values(pipe.execute()[1:], 1)[0]
+        ``SET … GET``); the ``GET`` names whoever holds the lease now. A key holding a list or a
+        hash (written by someone else) is replaced, as ``put_many`` replaces block keys: it would
+        otherwise stand in for a lease nobody holds, forever."""
+        for _ in range(2):
+            pipe = self._client.pipeline(transaction=False)
+            pipe.set(key, token, nx=True, px=max(1, ttl_ms))
+            pipe.get(key)
+            replies = pipe.execute(raise_on_error=False)
+            if not any(_wrong_type(reply) for reply in replies):
+                break
+            _foreign.warning("cache store %s: lease key %s held a non-string value; replaced", self.name, key)
+            self.delete([key])
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return _values(replies[1:], 1)[0]
 
     def holder(self, key: str) -> bytes | None:
-        return self.get(key)
+        try:
+            return self.get(key)
+        except redis.ResponseError as exc:
+            if _wrong_type(exc):
+                return None
+            raise
 
     def release(self, key: str, token: bytes) -> None:
         """Deletes the lease only while ``token`` holds it: a compare-and-delete, atomic on the

@@ -8,19 +8,23 @@ import asyncio
 import time
 
 import grpc
+import numpy as np
 import pytest
 from conftest import wait_until
 from test_batching import B, alone, make_engine, prompt, request, run_stream
 
+from cachestore.codec import ValueKind, encode
 from cachestore.factory import StoreOptions, open_store
-from cachestore.keys import block_hashes, lease_key
+from cachestore.keys import block_hashes, block_key, lease_key
 from cachestore.memory import MemoryStore
 from cachestore.signed import SignedStore
 from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
+from cachestore.store import KVStore
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
+from services.engine.leases import Claim, HeldLeases, Tokens
 from services.engine.run_waits import LeaseOptions
 from services.local.worker_process import WorkerProcess
 from services.runtime.kv_layout import KVLayout
@@ -234,3 +238,147 @@ def test_redis_down_the_burst_computes_and_answers_as_cold(tiny_model, redis_ser
         redis_server.start()
         for e in engines:
             e.close()
+
+
+MARK = 4242.0
+"""A forged value: finite, passes the codec; the poisoned prefill below turns it into NaN logits."""
+
+
+def plant_forged_blocks(engine, store, ids, count):
+    """Writes ``count`` forged blocks for ``ids`` (what a writer with Redis access can do unsigned)."""
+    for h in block_hashes(engine.namespace(""), ids)[:count]:
+        store.put(block_key(h), encode(ValueKind.PREFIX_BLOCK, h, np.full(engine.prefix.geometry.block_shape(B), MARK,
+                                                                          np.float32)))
+
+
+def poison_prefill(engine, only_last_of=None):
+    """Emulates K/V that is finite but wrong: a prefill over a row holding forged values returns NaN
+    logits (only for the chunk ending at ``only_last_of`` tokens, when given)."""
+    real = engine.slots.prefill
+
+    def prefill(slot, tokens, all_positions=False):
+        poisoned = bool((engine.slots._kv[:, :, slot.index, :, : slot.length] == MARK).any())
+        out = real(slot, tokens, all_positions)
+        last = only_last_of is None or slot.length == only_last_of
+        return np.full_like(out, np.nan) if poisoned and last else out
+
+    engine.slots.prefill = prefill
+
+
+def test_a_row_that_copied_forged_kv_from_another_row_computes_cold_too(tiny_model):
+    class ServesOnce(MemoryStore):
+        """The forged blocks reach the first lookup only (evicted before the second)."""
+
+        def __init__(self):
+            super().__init__(64 << 20)
+            self.lookups = 0
+
+        def iter_many(self, keys):
+            self.lookups += 1
+            yield from (self.get_many(keys) if self.lookups == 1 else [None] * len(keys))
+
+    store = ServesOnce()
+    engine = make_engine(tiny_model, store, cache_dtype="float32", max_prefill_tokens_per_step=64)
+    try:
+        prefix = prompt(8 * B, 61)
+        a, b = request(prefix + prompt(40, 62), n=4), request(prefix + prompt(20, 63), n=4)
+        cold_a, cold_b = alone(engine, a)[0], alone(engine, b)[0]
+        plant_forged_blocks(engine, store, prefix, 8)
+        poison_prefill(engine)
+
+        async def both():
+            return await asyncio.gather(run_stream(engine, a), run_stream(engine, b))
+
+        (ta, _, _), (tb, _, _) = asyncio.run(both())
+        assert ta == cold_a and tb == cold_b, "neither the reader of forged values nor a row copying them fails"
+        assert engine.slots.free == engine.slots.max_batch
+    finally:
+        engine.close()
+
+
+def test_blocks_computed_over_distrusted_kv_do_not_stay_in_the_store(tiny_model):
+    store = MemoryStore(64 << 20)
+    engine = make_engine(tiny_model, store, cache_dtype="float32", max_prefill_tokens_per_step=32)
+    try:
+        ids = prompt(12 * B + 5, 71)
+        want = alone(engine, request(ids, n=6))[0]
+        plant_forged_blocks(engine, store, ids, 4)
+        # Only the prompt's last chunk shows the damage: the chunks before it were published already.
+        poison_prefill(engine, only_last_of=len(ids))
+        tokens, _, _ = asyncio.run(run_stream(engine, request(ids, n=6)))
+        asyncio.run(engine.wait_for_publishes())
+        assert tokens == want
+        assert engine.cache_stats.rejected_values == {"bad_output": 1}
+        assert not any(store.get(block_key(h)) is not None for h in block_hashes(engine.namespace(""), ids)), (
+            "neither the forged blocks nor those computed over them are left")
+    finally:
+        engine.close()
+
+
+def test_the_holder_leases_the_block_after_each_chunk_it_publishes(tiny_model, redis_url):
+    """A worker that arrives while a prompt is half computed finds its first missing block leased."""
+    claims = []
+
+    class Recording(KVStore):
+        def __init__(self, inner):
+            self.inner = inner
+
+        def get(self, key):
+            return self.inner.get(key)
+
+        def iter_many(self, keys):
+            return self.inner.iter_many(keys)
+
+        def put(self, key, value):
+            return self.inner.put(key, value)
+
+        def put_many(self, items):
+            return self.inner.put_many(items)
+
+        def delete(self, keys):
+            self.inner.delete(keys)
+
+        def claim(self, key, token, ttl_ms):
+            claims.append(key)
+            return self.inner.claim(key, token, ttl_ms)
+
+        def holder(self, key):
+            return self.inner.holder(key)
+
+        def release(self, key, token):
+            self.inner.release(key, token)
+
+    store = open_store(redis_url, StoreOptions(), CacheStats())
+    engine = make_engine(tiny_model, Recording(store), cache_dtype="float32", max_prefill_tokens_per_step=2 * B)
+    try:
+        ids = prompt(8 * B + 3, 81)
+        asyncio.run(run_stream(engine, request(ids, n=1)))
+        asyncio.run(engine.wait_for_publishes())
+        wait_until(lambda: all(store.holder(k) is None for k in claims), what="the leases' release")
+        assert claims == [lease_of(engine, ids, block) for block in (0, 2, 4, 6)]
+    finally:
+        engine.close()
+
+
+def test_a_lease_key_holding_a_hash_is_replaced_not_a_failure(redis_server, redis_url):
+    stats = CacheStats()
+    store = open_store(redis_url, StoreOptions(), stats)
+    with redis_server.client() as client:
+        client.hset("kvshare:v1:lease:y", "a", "b")
+        assert store.holder("kvshare:v1:lease:y") is None
+        store.release("kvshare:v1:lease:y", b"me")
+        assert client.type("kvshare:v1:lease:y") == b"hash", "releasing leaves what it does not hold"
+        assert store.claim("kvshare:v1:lease:y", b"me", 10_000) == b"me"
+        assert 0 < client.pttl("kvshare:v1:lease:y") <= 10_000
+    assert not stats.store_errors
+
+
+def test_one_rows_end_never_ends_another_rows_lease(redis_url):
+    store = open_store(redis_url, StoreOptions(), CacheStats())
+    tokens = Tokens(b"worker")
+    first, second = tokens.new(), tokens.new()
+    assert tokens.classify(store.claim("kvshare:v1:lease:z", first, 10_000), first) is Claim.HELD
+    assert tokens.classify(store.claim("kvshare:v1:lease:z", second, 10_000), second) is Claim.SIBLING
+    assert tokens.classify(b"another-worker.0", second) is Claim.OTHER_WORKER
+    HeldLeases(store, second, 10_000, ["kvshare:v1:lease:z"]).end()
+    assert store.holder("kvshare:v1:lease:z") == first

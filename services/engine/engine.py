@@ -22,7 +22,6 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field, replace
-from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -57,6 +56,7 @@ from services.engine.generation import (
     TokenizeResult,
     Usage,
 )
+from services.engine.leases import Claim, HeldLeases, Tokens
 from services.engine.logprobs import MAX_TOP_LOGPROBS, with_text
 from services.engine.penalties import LogitsAdjuster
 from services.engine.request_limits import (
@@ -160,6 +160,12 @@ PROMPT_LOGPROBS_PER_CHUNK = 64
 """Prompt log-probabilities per chunk: with 20 alternatives each, about 20 KB a message."""
 
 
+def _after(publish: Future | None) -> None:
+    """Blocks until ``publish`` (an earlier write of the same sequence) is done."""
+    if publish is not None:
+        wait_futures([publish])
+
+
 def derived_max_batch(kv_bytes_per_token: int, context_length: int, kv_cache_bytes: int) -> int:
     """Slots that fit ``kv_cache_bytes`` when each may hold a whole context (at least 1, at most
     ``MAX_DERIVED_BATCH``): a sequence admitted can always run to its end."""
@@ -205,12 +211,12 @@ class Engine:
         self.request_observers: list[Callable[[Sequence, str, float], None]] = []
         """Called on the event loop once per request that ends: (sequence, outcome, seconds taken)."""
         self.slots = open_slots(session, scheduling.max_batch, spec.context_length)
-        self.worker_token = uuid.uuid4().hex.encode()
-        """Names this worker as a lease holder; fresh per process, so a restarted worker never
-        mistakes its predecessor's lease for its own."""
+        self.tokens = Tokens(uuid.uuid4().hex.encode())
+        """Lease tokens: this worker, and which of its rows holds a lease."""
         self.waits = RunWaits(options.leases.poll_ms)
-        self._awaiting: set[str] = set()
-        """Leases of other workers that a row of this one waits on (under ``_publish_lock``)."""
+        self._awaiting: dict[str, tuple[Sequence, int]] = {}
+        """Leases of other workers that a row of this one waits on, with that row and how many
+        blocks it awaits (under ``_publish_lock``)."""
         self.scheduler = Scheduler(self.slots, scheduling, self, self._read_pool,
                                    PrefillPace(options.leases.first_ms_per_token))
         log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype; the model's own K/V is %s)",
@@ -459,30 +465,33 @@ class Engine:
             if seq.encoder_hash is not None:
                 s = self.spec
                 seq.cross_kv = self.cross.get(seq.encoder_hash, s.num_layers, self.session.cross_heads, s.head_size)
-        holder = self._claim(seq)
-        if holder is None:
+        claim, holder, key = self._claim(seq)
+        if claim is not Claim.OTHER_WORKER:
             self._fetched(seq, t)
             return True
-        key = seq.lease
-        seq.lease = None
+        run = len(seq.lookup.hashes) - seq.lookup.hit_blocks  # blocks awaited
         with self._publish_lock:
-            # One store wait per lease and worker: the worker's other rows wait for that row's
-            # blocks and copy them from it (``Scheduler._plan_share``), not from the store again.
-            if key in self._awaiting:
+            # One store wait per lease and worker when it covers this row's: the worker's other
+            # rows wait for that row's blocks and copy them from it (``Scheduler._plan_share``).
+            # A row missing fewer blocks waits for its own, not for the other row's longer run.
+            if key in self._awaiting and run >= self._awaiting[key][1]:
                 self._fetched(seq, t)
                 return True
-            self._awaiting.add(key)
-            seq.awaiting = True
-        run = len(seq.lookup.hashes) - seq.lookup.hit_blocks  # blocks awaited
+            own = key not in self._awaiting
+            if own:
+                self._awaiting[key] = (seq, run)
+                seq.awaiting = True
         factor, size = self.options.leases.wait_factor, seq.namespace.block_size
-        stall_ms = max(MIN_STALL_MS, 3 * factor * self.scheduler.pace.expected_ms(
-            self.scheduler.options.max_prefill_tokens_per_step))
+        pace = self.scheduler.pace
+        chunk = self.scheduler.options.max_prefill_tokens_per_step
+        stall_ms = max(MIN_STALL_MS, factor * pace.expected_ms(min(3 * chunk, run * size)))
 
         def end(outcome: WaitEnd) -> None:
             self.cache_stats.count("lease_waits", outcome.value)
             self._fetched(seq, t)
-            with self._publish_lock:
-                self._awaiting.discard(key)
+            if own:
+                with self._publish_lock:
+                    del self._awaiting[key]
             done()
 
         self.cache_stats.add(blocks_awaited=run)
@@ -491,7 +500,7 @@ class Engine:
             missing=lambda: len(seq.lookup.hashes) - seq.lookup.hit_blocks,
             held=lambda: self.store.holder(key) == holder,
             cancelled=lambda: seq.aborted or seq.done,
-            compute_s=lambda blocks: factor * self.scheduler.pace.expected_ms(blocks * size) / 1e3,
+            compute_s=lambda blocks: factor * pace.expected_ms(blocks * size) / 1e3,
             stall_s=stall_ms / 1e3,
             on_end=end,
         ))
@@ -502,23 +511,23 @@ class Engine:
         self.cache_stats.add(blocks_received=arrived)
         return arrived
 
-    def _claim(self, seq: Sequence) -> bytes | None:
-        """The fleet's single-flight (``services.engine.run_waits``): when the prompt has uncached
-        full blocks, takes the lease on computing them, or finds the other worker that holds it.
-        Returns that worker's token (the caller waits; ``seq.lease`` names the lease), or None:
-        this worker computes (it holds the lease, in ``seq.lease``, or leases are off or failed)."""
+    def _claim(self, seq: Sequence) -> tuple[Claim, bytes | None, str | None]:
+        """The fleet's single-flight (``services.engine.leases``): when the prompt has uncached
+        full blocks, takes the lease on computing them (then ``seq.lease`` holds it), or finds
+        who holds it. Returns what the claim found, the holder's token and the lease's key."""
         hashes, hit = seq.lookup.hashes, seq.lookup.hit_blocks
         if not self.options.leases.enabled or seq.cache.skip_read or seq.cache.skip_write or hit >= len(hashes):
-            return None
-        key = lease_key(hashes[hit])
-        expected_ms = self.scheduler.pace.expected_ms((len(hashes) - hit) * seq.namespace.block_size)
-        holder = self.store.claim(key, self.worker_token, int(2 * expected_ms + LEASE_SLACK_MS))
-        seq.lease = key
-        if holder == self.worker_token:
-            return None
-        if holder is None:
-            seq.lease = None
-        return holder
+            return Claim.NONE, None, None
+        key, token = lease_key(hashes[hit]), self.tokens.new()
+        ttl_ms = int(2 * self.scheduler.pace.expected_ms((len(hashes) - hit) * seq.namespace.block_size)
+                     + LEASE_SLACK_MS)
+        holder = self.store.claim(key, token, ttl_ms)
+        claim = self.tokens.classify(holder, token)
+        if claim is Claim.HELD:
+            seq.lease = HeldLeases(self.store, token, ttl_ms, [key])
+            if seq.aborted or seq.done:  # the request ended while the claim was on its way
+                self.release_leases([seq])
+        return claim, holder, key
 
     def _fetched(self, seq: Sequence, t0: float) -> None:
         """The lookup's end: what it found becomes the sequence's cached prompt."""
@@ -529,12 +538,14 @@ class Engine:
         seq.timings.cache_fetch_ms = (time.perf_counter() - t0) * 1e3
 
     def release_leases(self, rows: list[Sequence]) -> None:
-        """Ends the leases ``rows`` still hold (a prompt cancelled or failed before its end), off
-        the token path, so that workers waiting on them compute at once."""
+        """Ends the leases ``rows`` still hold (a prompt cancelled, failed or distrusted before its
+        end), after their publishes in flight, off the token path, so that workers waiting on them
+        compute at once."""
         for seq in rows:
-            key, seq.lease = seq.lease, None
-            if key is not None:
-                self._write_pool.submit(self.store.release, key, self.worker_token)
+            lease, seq.lease = seq.lease, None
+            if lease is not None:
+                earlier = seq.publishing
+                self._write_pool.submit(lambda lease=lease, earlier=earlier: (_after(earlier), lease.end()))
 
     def begin(self, seq: Sequence) -> None:
         """On the scheduler thread: copies the cached blocks the fetch kept (all, or block 0: see
@@ -583,33 +594,31 @@ class Engine:
         publishing from the live buffer could put another request's K/V under this prompt's keys."""
         hashes, first, size = seq.lookup.hashes, seq.published_blocks, seq.namespace.block_size
         last = min(len(hashes), seq.prefilled // size)
+        lease, earlier = seq.lease, seq.publishing
         prompt_done = seq.prefilled == len(seq.prompt)
-        key, seq.lease = (seq.lease, None) if prompt_done else (None, seq.lease)
-        earlier = seq.publishing
-
-        def after_earlier() -> None:
-            # Chunks reach the store in order, and the lease ends after the last of them: a
-            # waiter never finds a gap, nor the lease gone before the blocks are there.
-            if earlier is not None:
-                wait_futures([earlier])
-
-        def release() -> None:
-            after_earlier()
-            self.store.release(key, self.worker_token)
+        if seq.cache.skip_write or last <= first:
+            if prompt_done:
+                self.release_leases([seq])
+            return
+        if prompt_done:
+            seq.lease = None
 
         def publish(kv: np.ndarray) -> None:
-            after_earlier()
+            # Chunks reach the store in order, each after the lease on the block that follows it,
+            # and the leases end after the last chunk: a worker arriving mid-prompt finds its first
+            # missing block leased, and a waiter never finds a gap or the lease gone too early.
+            _after(earlier)
+            if lease is not None and last < len(hashes):
+                lease.extend(lease_key(hashes[last]))
             self.prefix.publish(hashes[:last], kv, first, size)
-            if key is not None:
-                self.store.release(key, self.worker_token)
+            if lease is not None and prompt_done:
+                lease.end()
 
-        if not seq.cache.skip_write and last > first:
-            seq.published_blocks = last
-            seq.publishing = self._publish_blocks(seq, first, last, publish)
-            if seq.publishing is not None:
-                return
-        if key is not None:
-            self._write_pool.submit(release)
+        seq.published_blocks = last
+        seq.publishing = self._publish_blocks(seq, first, last, publish)
+        if seq.publishing is None and prompt_done and lease is not None:
+            seq.lease = lease
+            self.release_leases([seq])
 
     def _publish_blocks(self, seq: Sequence, first: int, last: int,
                         publish: Callable[[np.ndarray], object]) -> Future | None:
@@ -628,23 +637,27 @@ class Engine:
     def distrust(self, seq: Sequence) -> bool:
         """On the scheduler thread, when the first token's logits are NaN or infinite. Values that
         pass the codec's checks can still be forged; if any of this request's K/V came from the
-        store, those values are deleted (off the token path), counted as ``bad_output``, and the
-        request computes its whole prompt, publishing nothing: the next request publishes afresh."""
-        hit, cross = seq.lookup.hit_blocks, seq.usage.encoder_cache_hit
-        if not hit and not cross:
+        store or from another row, the values it read and the blocks it published over them are
+        deleted (off the token path, after its publishes in flight), counted as ``bad_output``,
+        and the request computes its whole prompt, reading and publishing nothing: the next
+        request publishes afresh."""
+        cached, cross = seq.usage.cached_prompt_tokens, seq.usage.encoder_cache_hit
+        if not cached and not cross:
             return False
-        keys = [block_key(h) for h in seq.lookup.hashes[:hit]]
+        keys = [block_key(h) for h in seq.lookup.hashes[: max(seq.lookup.hit_blocks, seq.published_blocks)]]
         if cross:
             keys.append(cross_key(seq.encoder_hash))
         self.cache_stats.count("rejected_values", RejectReason.BAD_OUTPUT)
-        _distrusted.warning("request %s: NaN or infinite logits over %d values from the store; deleting them and "
-                            "computing the prompt again", seq.request_id, len(keys))
-        self._in_background(0, lambda: partial(self.store.delete, keys))
+        _distrusted.warning("request %s: NaN or infinite logits over %d cached prompt tokens; deleting %d values and "
+                            "computing the prompt again", seq.request_id, cached, len(keys))
+        earlier = seq.publishing
+        self._in_background(0, lambda: lambda: (_after(earlier), self.store.delete(keys)))
+        self.release_leases([seq])
         seq.lookup = PrefixLookup(hashes=seq.lookup.hashes, blocks=[])
-        seq.prefilled = seq.usage.cached_prompt_tokens = 0
+        seq.prefilled = seq.usage.cached_prompt_tokens = seq.published_blocks = 0
         seq.usage.encoder_cache_hit = False
         seq.cross_kv = None
-        seq.cache = replace(seq.cache, skip_write=True)
+        seq.cache = replace(seq.cache, skip_read=True, skip_write=True)
         return True
 
     def _in_background(self, nbytes: int, prepare: Callable[[], Callable[[], object]]) -> Future | None:

@@ -77,6 +77,8 @@ class WaitEnd(Enum):
     STALLED = "stalled"
     SLOWER = "slower"
     CANCELLED = "cancelled"
+    FAILED = "failed"
+    """Polling failed unexpectedly (a bug): the sequence computes."""
 
 
 @dataclass(eq=False, slots=True)
@@ -145,7 +147,11 @@ class RunWaits:
                 self._cond.wait(self._poll_s)
                 waits = list(self._waits)
             for wait in waits:
-                end = self._step(wait)
+                try:
+                    end = self._step(wait)
+                except Exception:  # noqa: BLE001 - one wait's failure must not strand the others
+                    log.exception("polling for another worker's blocks failed; computing instead")
+                    end = WaitEnd.FAILED
                 if end is not None:
                     with self._cond:
                         self._waits.remove(wait)

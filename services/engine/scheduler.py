@@ -46,6 +46,8 @@ from services.runtime.slots import SlotBank
 
 log = logging.getLogger(__name__)
 IDLE_RECHECK_S = 0.05
+MIN_PACE_TOKENS = 32
+"""Prefill chunks shorter than this do not move the measured pace."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -466,7 +468,8 @@ class Scheduler:
         self.stats.prefill_tokens += n
         end = time.perf_counter()
         seq.timings.prefill_ms += (end - t) * 1e3
-        self.pace.observe(n, (end - t_run) * 1e3)
+        if n >= MIN_PACE_TOKENS:  # a chunk of a few tokens costs its fixed overhead, not its tokens
+            self.pace.observe(n, (end - t_run) * 1e3)
         if np.isfinite(logits).all():  # K/V whose logits blew up is never published (see _non_finite)
             self._hooks.prefilled(seq)
         return logits if seq.prefilled == len(seq.prompt) else None

@@ -28,6 +28,7 @@ from services.engine.generation import (
     TokenLogprob,
     Usage,
 )
+from services.engine.leases import HeldLeases
 from services.engine.penalties import LogitsAdjuster
 from services.engine.sampling import Sampler
 from services.runtime.slots import Slot
@@ -112,9 +113,9 @@ class Sequence:
     worker's other rows that lack the same blocks wait for this row instead of the store."""
     publishing: Future | None = None
     """The sequence's latest publish of prompt blocks: the next one starts after it."""
-    lease: str | None = None
-    """The store key of the lease this worker holds on computing the prompt's first uncached
-    blocks, until the prompt is done (or the sequence ends)."""
+    lease: HeldLeases | None = None
+    """The leases this row holds on computing the prompt's uncached blocks, until its prompt is
+    done (or it ends)."""
     assembled: bool = False
     """Whether the cached blocks (and cross K/V) are in the slot yet."""
     next_token: int = -1

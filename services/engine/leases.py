@@ -1,0 +1,81 @@
+"""The leases one sequence holds on computing a prompt's uncached blocks (fleet single-flight).
+
+A sequence takes the lease on its prompt's first missing block when its lookup ends, and, before
+each chunk of blocks it publishes, the lease on the block after that chunk: a worker that arrives
+while the prompt is half computed finds its first missing block leased too, and waits instead of
+computing the rest again. Every lease is written under the sequence's own token (the worker's
+token and a row number), so that one row's end never ends a lease another row of the same worker
+holds. ``end`` releases them all (compare-and-delete); a lease never released expires.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from dataclasses import dataclass, field
+from enum import Enum
+
+from cachestore.store import KVStore
+
+
+class Claim(Enum):
+    HELD = "held"
+    """This row took the lease: it computes the run and publishes it."""
+    SIBLING = "sibling"
+    """Another row of this worker holds it: the rows share in the worker (``Scheduler._plan_share``)."""
+    OTHER_WORKER = "other_worker"
+    """Another worker holds it: wait for its blocks (``run_waits``)."""
+    NONE = "none"
+    """Nobody can be said to hold it (leases off, or the store failed): compute."""
+
+
+class Tokens:
+    """Lease tokens of one worker process: ``<worker>.<row>``, the worker part fresh per process
+    so that a restarted worker never mistakes its predecessor's leases for its own."""
+
+    def __init__(self, worker: bytes) -> None:
+        self.worker = worker
+        self._rows = itertools.count()
+
+    def new(self) -> bytes:
+        return b"%s.%d" % (self.worker, next(self._rows))
+
+    def classify(self, holder: bytes | None, token: bytes) -> Claim:
+        if holder is None:
+            return Claim.NONE
+        if holder == token:
+            return Claim.HELD
+        if holder.startswith(self.worker + b"."):
+            return Claim.SIBLING
+        return Claim.OTHER_WORKER
+
+
+@dataclass(eq=False)
+class HeldLeases:
+    """The leases one sequence holds. ``extend`` and ``end`` run on the write threads, in the
+    order of the sequence's publishes; ``end`` may also come from the request's end."""
+
+    store: KVStore
+    token: bytes
+    ttl_ms: int
+    keys: list[str]
+    _ended: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def extend(self, key: str) -> None:
+        """Takes the lease on ``key`` as well, unless the leases ended or someone holds it."""
+        with self._lock:
+            if self._ended:
+                return
+        if self.store.claim(key, self.token, self.ttl_ms) == self.token:
+            with self._lock:
+                self.keys.append(key)
+                ended = self._ended
+            if ended:  # ended while claiming: nobody else will release it
+                self.store.release(key, self.token)
+
+    def end(self) -> None:
+        with self._lock:
+            keys, self.keys, self._ended = self.keys, [], True
+        for key in keys:
+            self.store.release(key, self.token)
