@@ -35,7 +35,7 @@ from cachestore.prefix import CANONICAL_LAYOUT
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.local.model_cache import cache_dir, ensure_model
-from services.local.redis_process import RedisServer
+from services.local.redis_process import RedisServer, stored_values
 from services.local.worker_process import WorkerProcess
 
 BLOCK = 16
@@ -67,10 +67,10 @@ def generate(t: Target, ids: list[int], metadata, skip_cache: bool = False) -> t
 
 def settle(redis_client, quiet_s: float = 0.1) -> None:
     """Returns once Redis has held the same number of keys for ``quiet_s`` (publishes landed)."""
-    count, since = redis_client.dbsize(), time.monotonic()
+    count, since = stored_values(redis_client), time.monotonic()
     while time.monotonic() - since < quiet_s:
         time.sleep(0.01)
-        now = redis_client.dbsize()
+        now = stored_values(redis_client)
         if now != count:
             count, since = now, time.monotonic()
 

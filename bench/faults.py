@@ -40,7 +40,7 @@ from bench.fleet import (
 )
 from bench.traffic import Periodic, Summary, Traffic, Workload
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.local.redis_process import RedisServer, free_port
+from services.local.redis_process import RedisServer, free_port, stored_values
 from services.local.tcp_proxy import TcpProxy
 from services.local.worker_process import WorkerProcess
 
@@ -126,7 +126,7 @@ class Lab:
         while True:
             samples = list(worker_samples(self.metrics_ports))
             open_breakers = [s.labels for s in samples if s.name == "kvshare_cache_breaker_open" and s.value]
-            stored = self.client.dbsize()
+            stored = stored_values(self.client)
             if not open_breakers and stored >= blocks:
                 return
             if time.monotonic() > deadline:

@@ -26,7 +26,7 @@ from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
 from services.local.model_cache import STAMP, cache_dir, ensure_model
-from services.local.redis_process import RedisServer
+from services.local.redis_process import RedisServer, stored_values
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.presets import DECODER_PRESETS
 from services.runtime.model_spec import load_model_spec
@@ -128,16 +128,16 @@ def first_token(stub: pb_grpc.GeneratorStub, prompt: list[int], skip_cache: bool
 def wait_for_keys(client: redis.Redis, count: int, timeout_s: float = PUBLISH_TIMEOUT_S) -> None:
     """Polls DBSIZE until Redis holds at least ``count`` keys (a worker's publish landed)."""
     deadline = time.monotonic() + timeout_s
-    while client.dbsize() < count:
+    while stored_values(client) < count:
         if time.monotonic() > deadline:
-            raise TimeoutError(f"Redis holds {client.dbsize()} keys after {timeout_s} s, expected {count}")
+            raise TimeoutError(f"Redis holds {stored_values(client)} values after {timeout_s} s, expected {count}")
         time.sleep(0.005)
 
 
 def published(fleet: Fleet, call: Callable[[], pb.GenerateResponse], new_blocks: int) -> pb.GenerateResponse:
     """Runs ``call`` and returns once the ``new_blocks`` blocks it publishes are in Redis, so that
     publishing never overlaps the next measurement."""
-    expected = fleet.client.dbsize() + new_blocks
+    expected = stored_values(fleet.client) + new_blocks
     result = call()
     wait_for_keys(fleet.client, expected)
     return result

@@ -32,7 +32,7 @@ from services.api.client import complete
 from services.local.demo import QUESTIONS as DEMO_QUESTIONS
 from services.local.demo import system_prompt
 from services.local.model_catalogue import fetch_model
-from services.local.redis_process import RedisServer
+from services.local.redis_process import RedisServer, stored_values
 
 # The demo's six questions get long answers (SmolLM2 runs to the length limit under the manual);
 # these four end by EOS, after 3 to 86 tokens. In the answer to the last one the model spells
@@ -64,7 +64,7 @@ def conversation(f, question: str, follow_up: str, max_new_tokens: int) -> dict:
     size = f.block_size
     turn1 = messages(("system", system_prompt()), ("user", question))
     prompt1 = list(a.Tokenize(pb.TokenizeRequest(messages=turn1)).token_ids)
-    before = f.client.dbsize()
+    before = stored_values(f.client)
     first = complete(a, pb.GenerateRequest(messages=turn1, max_new_tokens=max_new_tokens), CALL_TIMEOUT_S)
     answer, finish = first.token_ids, first.last.finish_reason
     assert finish in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_LENGTH), pb.FinishReason.Name(finish)
@@ -76,7 +76,7 @@ def conversation(f, question: str, follow_up: str, max_new_tokens: int) -> dict:
     common = common_prefix(prompt1 + answer, prompt2)
     usable = min(common, stored)
     expected = min(usable // size * size, len(prompt2) - 1)
-    before = f.client.dbsize()
+    before = stored_values(f.client)
     second = complete(b, pb.GenerateRequest(messages=turn2, max_new_tokens=1), CALL_TIMEOUT_S).last
     hit = second.usage.cached_prompt_tokens
     assert second.usage.prompt_tokens == len(prompt2)

@@ -81,6 +81,10 @@ def lease_key(block_hash: BlockHash) -> str:
     return KEY_PREFIX + "lease:" + block_hash.hex()
 
 
+LEASE_KEY_PATTERN = KEY_PREFIX + "lease:*"
+"""Every lease key (a Redis SCAN pattern)."""
+
+
 def encoder_input_hash(namespace: Namespace, array: np.ndarray) -> BlockHash:
     """Names an encoder input: its dtype, shape and little-endian bytes under ``namespace``.
 

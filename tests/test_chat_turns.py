@@ -24,6 +24,7 @@ from conftest import record_margin, wait_until
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
+from services.local.redis_process import stored_values
 from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess
@@ -69,8 +70,8 @@ def replicas(model, cache_url):
 
 
 def wait_for_keys(client, count: int, what: str) -> None:
-    wait_until(lambda: client.dbsize() >= count, timeout_s=PUBLISH_TIMEOUT_S, what=what)
-    assert client.dbsize() == count, f"{what}: {client.dbsize()} keys, expected {count}"
+    wait_until(lambda: stored_values(client) >= count, timeout_s=PUBLISH_TIMEOUT_S, what=what)
+    assert stored_values(client) == count, f"{what}: {stored_values(client)} values, expected {count}"
 
 
 def generate(stub, messages, max_new_tokens: int, **cache) -> tuple[list[int], str, pb.GenerateResponse, list]:

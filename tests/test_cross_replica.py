@@ -10,7 +10,7 @@ from conftest import wait_until
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
-from services.local.redis_process import RedisClusterServers
+from services.local.redis_process import RedisClusterServers, stored_values
 from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess
@@ -58,7 +58,7 @@ def cross_replica_check(stub_a, stub_b, published_keys):
 
 def test_system_prompt_prefilled_once_across_replicas(tiny_model, redis_server, redis_url):
     with two_replicas(tiny_model, redis_url) as (a, b), redis_server.client() as client:
-        cross_replica_check(a, b, client.dbsize)
+        cross_replica_check(a, b, lambda: stored_values(client))
 
 
 def test_redis_cluster_three_masters(tiny_model):
@@ -66,7 +66,7 @@ def test_redis_cluster_three_masters(tiny_model):
         clients = [n.client() for n in cluster.nodes]
 
         def keys():
-            return sum(c.dbsize() for c in clients)
+            return sum(stored_values(c) for c in clients)
 
         with two_replicas(tiny_model, cluster.url) as (a, b):
             cross_replica_check(a, b, keys)
@@ -77,7 +77,7 @@ def test_redis_cluster_three_masters(tiny_model):
 
 def test_redis_killed_then_back(tiny_model, redis_server, redis_url):
     with two_replicas(tiny_model, redis_url, *FAST_BREAKER) as (a, b), redis_server.client() as client:
-        system, question, warm = cross_replica_check(a, b, client.dbsize)
+        system, question, warm = cross_replica_check(a, b, lambda: stored_values(client))
         redis_server.kill()
         for stub in (a, b, a, b):
             down = ask(stub, system, question)

@@ -20,6 +20,7 @@ from services.engine.generation import (
     FinishReason,
     GenerationRequest,
 )
+from services.local.redis_process import stored_values
 from services.runtime.kv_layout import KVLayout
 from services.runtime.model_spec import load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
@@ -154,7 +155,7 @@ def test_skip_read_and_skip_write(replicas, redis_server):
     ids = prompt(4 * B + 1, seed=5)
     generate(a, ids, skip_write=True)
     with redis_server.client() as client:
-        assert client.dbsize() == 0
+        assert stored_values(client) == 0
     generate(a, ids)
     assert generate(b, ids, skip_read=True)[1].usage.cached_prompt_tokens == 0
     assert generate(b, ids)[1].usage.cached_prompt_tokens == 4 * B
@@ -227,7 +228,7 @@ def test_answers_are_published_for_the_next_turn(replicas, redis_server):
     assert last.finish_reason is FinishReason.LENGTH
     with redis_server.client() as client:
         # prompt + answer minus its last token: 4 * B + 2 tokens, 4 full blocks.
-        assert client.dbsize() == 4
+        assert stored_values(client) == 4
     turn2 = [*ids, *tokens, *prompt(5, seed=10)]
     assert generate(b, turn2, n=1, skip_write=True)[1].usage.cached_prompt_tokens == 4 * B
 
@@ -244,10 +245,10 @@ def test_answers_are_published_for_the_next_turn(replicas, redis_server):
     asyncio.run(a.wait_for_publishes())
     with redis_server.client() as client:
         # At least 4 * B + 5 + 2 * B tokens held: 6 blocks, 2 of them shared with ids.
-        assert client.dbsize() >= 4 + 4, "the answer ended by a stop string was published"
+        assert stored_values(client) >= 4 + 4, "the answer ended by a stop string was published"
 
     with redis_server.client() as client:
         client.flushall()
     collect(a, GenerationRequest(prompt_token_ids=ids, max_new_tokens=2 * B, ignore_eos=True, beams=BeamSearch(2)))
     with redis_server.client() as client:
-        assert client.dbsize() == 2, "only the prompt's blocks"
+        assert stored_values(client) == 2, "only the prompt's blocks"

