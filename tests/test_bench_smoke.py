@@ -12,7 +12,8 @@ pytestmark = pytest.mark.subprocess
 
 
 @pytest.mark.parametrize("bench", ["ttft", "fetch", "decode", "overhead", "block_size", "batch", "load", "reliability",
-                                   "stalls", "signing", "attacks", "samples", "turns", "cache_dtype"])
+                                   "stalls", "signing", "attacks", "samples", "turns", "cache_dtype",
+                                   "route", "burst"])
 def test_benchmark_smoke_run(bench, tmp_path):
     extra = ["--plot", str(tmp_path / f"{bench}.png")] if bench in ("ttft", "batch") else []
     proc = subprocess.run([sys.executable, "-m", f"bench.{bench}", "--smoke", *extra], cwd=ROOT,

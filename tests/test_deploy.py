@@ -88,6 +88,8 @@ VALUE_SETS: dict[str, ValueSet] = {
     # The `image` volume source exists from Kubernetes 1.31 (the chart refuses older clusters).
     "model-image": ValueSet({"model": {"source": "image", "image": {"reference": "registry.example.com/models/small:1"}}},
                             kube_versions=("1.33.0", "latest")),
+    "router": ValueSet({"router": {"enabled": True, "config": {"max_streams_per_worker": 8, "health_interval_s": 0.5}},
+                        "gpu": {"enabled": True}}),
 }
 
 
@@ -181,7 +183,7 @@ def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 
 def worker_container(docs: list[dict]) -> dict:
-    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    pod = find(docs, "Deployment", RELEASE)["spec"]["template"]["spec"]
     return next(c for c in pod["containers"] if c["name"] == "worker")
 
 
@@ -213,6 +215,7 @@ def test_every_value_set_renders_the_expected_resources(rendered):
         "model-pvc": common + builtin_redis,
         "model-baked": common + builtin_redis,
         "model-image": common + builtin_redis,
+        "router": common + builtin_redis + ["Deployment", "Service"],
     }
     assert expected.keys() == VALUE_SETS.keys()
     for name, docs in rendered.items():
@@ -634,7 +637,7 @@ def test_model_sources(rendered):
     assert volumes == [] and mounts == [] and "initContainers" not in pod
 
 
-@pytest.mark.parametrize("name", ["defaults", "builtin-redis-on"])
+@pytest.mark.parametrize("name", ["defaults", "builtin-redis-on", "router"])
 def test_pods_run_as_non_root_with_read_only_root(rendered, name):
     for workload in (d for d in rendered[name] if d["kind"] in ("Deployment", "StatefulSet")):
         pod = workload["spec"]["template"]["spec"]
@@ -677,6 +680,63 @@ def test_notes_tell_how_to_call_with_grpcurl(helm, tmp_path):
     assert f"kubectl -n {NAMESPACE} port-forward service/kvshare 50051:50051" in text
     assert f"dns:///kvshare-headless.{NAMESPACE}.svc.cluster.local:50051" in text
     assert "round_robin" in text
+
+
+def test_router_is_off_by_default(rendered):
+    for name, docs in rendered.items():
+        if name != "router":
+            assert not [d for d in docs if d["metadata"]["name"] == "kvshare-router"], name
+
+
+def test_router_discovers_the_ready_workers_through_the_headless_service(rendered):
+    from services.route.config import ROUTE_ENV_PREFIX, RouteSettings
+
+    docs = rendered["router"]
+    router = find(docs, "Deployment", "kvshare-router")["spec"]["template"]
+    worker_labels = find(docs, "Deployment", RELEASE)["spec"]["template"]["metadata"]["labels"]
+    router_labels = router["metadata"]["labels"]
+    [container] = router["spec"]["containers"]
+    assert container["command"] == ["kvshare", "route"]
+    assert container["image"] == "kvshare:0.1.0", "the CPU image, even when the workers run on GPUs"
+    assert "nvidia.com/gpu" not in container["resources"].get("limits", {})
+
+    environ = {e["name"]: e["value"] for e in container["env"]}
+    assert all(k.startswith(ROUTE_ENV_PREFIX) for k in environ)
+    settings = RouteSettings().apply_env(environ)
+    assert settings.problems() == []
+    assert (settings.host, settings.port, settings.max_streams_per_worker, settings.health_interval_s) == \
+        ("0.0.0.0", 50051, 8, 0.5)
+    # Every A record of the headless Service is a ready worker pod, dialled on its container port.
+    headless = find(docs, "Service", "kvshare-headless")["spec"]
+    assert headless["clusterIP"] == "None" and not headless.get("publishNotReadyAddresses", False)
+    assert selects(headless["selector"], worker_labels) and not selects(headless["selector"], router_labels)
+    assert settings.workers_dns == f"kvshare-headless.{NAMESPACE}.svc.cluster.local:{_container_port(docs, 'grpc')}"
+
+    service = find(docs, "Service", "kvshare-router")["spec"]
+    assert selects(service["selector"], router_labels) and not selects(service["selector"], worker_labels)
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    assert [(p["name"], p["port"], p["targetPort"]) for p in service["ports"]] == [("grpc", 50051, "grpc")]
+    assert port == settings.port
+
+    # Ready only while a worker is healthy (its Generator health); alive while it accepts
+    # connections, so that workers loading their model never get routers restarted.
+    assert container["readinessProbe"]["grpc"] == {"port": port, "service": "kvshare.v1.Generator"}
+    assert container["livenessProbe"]["tcpSocket"] == {"port": "grpc"} and "startupProbe" not in container
+    pod = router["spec"]
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + settings.not_serving_s + settings.drain_s
+    assert "nodeSelector" not in pod and "tolerations" not in pod, "GPU placement is for workers only"
+
+
+def test_schema_router_config_keys_are_route_settings():
+    from services.route.config import RouteSettings
+
+    schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["router"]["properties"]["config"]
+    assert schema["additionalProperties"] is False
+    assert set(schema["properties"]) == {f.name for f in fields(RouteSettings)} - {"host", "port", "workers", "workers_dns"}
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(defaults["router"]["config"]) <= set(schema["properties"])
+    assert defaults["router"]["enabled"] is False
 
 
 # --- docker-compose.yml ---------------------------------------------------------------------

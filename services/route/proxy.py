@@ -4,14 +4,16 @@ What passes through unchanged: the request bytes (only a Generate request is par
 routing key), the caller's metadata (``authorization`` included; gRPC's own headers are set again by
 the router's channel), the time left to the caller's deadline, every response message as soon as
 it arrives, and the worker's status code, details and trailing metadata. A caller that cancels
-cancels the worker's call. The router's own failures are UNAVAILABLE and say so; a call that fails
-UNAVAILABLE at a worker before anything reached the caller is tried once more on the next-best
-worker, the failed one marked unhealthy meanwhile.
+cancels the worker's call. A call that fails UNAVAILABLE at a worker before anything reached the
+caller is tried once more on the next-best worker, the failed one marked unhealthy meanwhile. The
+router's own statuses: UNAVAILABLE "no healthy worker among N", and INTERNAL for a bug of its own
+(logged with its traceback); never UNKNOWN, and never INTERNAL for a worker's error.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -52,21 +54,22 @@ class Proxy:
         for method in pb.DESCRIPTOR.services_by_name["Generator"].methods:
             if method.client_streaming:
                 raise TypeError(f"{method.full_name}: client-streaming methods are not forwarded")
-            path, keyed, streaming = f"/{GENERATOR_SERVICE}/{method.name}", method.name == "Generate", method.server_streaming
-
-            async def forward(request: bytes, context: grpc.aio.ServicerContext, path=path, keyed=keyed,
-                              streaming=streaming) -> bytes | None:
-                try:
-                    return await self._forward(path, request, context, keyed, streaming)
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - a router bug still leaves as a status, never UNKNOWN
-                    log.error("internal error forwarding %s", path, exc_info=exc)
-                    await context.abort(grpc.StatusCode.INTERNAL, f"router internal error: {type(exc).__name__}: {exc}")
-
-            make = grpc.unary_stream_rpc_method_handler if streaming else grpc.unary_unary_rpc_method_handler
-            handlers[method.name] = make(forward)
+            make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+            handlers[method.name] = make(self._handler(f"/{GENERATOR_SERVICE}/{method.name}", method.name == "Generate",
+                                                       method.server_streaming))
         return handlers
+
+    def _handler(self, path: str, keyed: bool, streaming: bool) -> Callable[..., Awaitable[bytes | None]]:
+        async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes | None:
+            try:
+                return await self._forward(path, request, context, keyed, streaming)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - a router bug still leaves as a status, never UNKNOWN
+                log.error("internal error forwarding %s", path, exc_info=exc)
+                await context.abort(grpc.StatusCode.INTERNAL, f"router internal error: {type(exc).__name__}: {exc}")
+
+        return forward
 
     def _pick(self, key: bytes | None) -> Upstream | None:
         healthy = self._upstreams.healthy()

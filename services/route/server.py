@@ -17,7 +17,13 @@ from grpc_reflection.v1alpha import reflection
 from services.errors import StartupError
 from services.route.config import RouteSettings, split_host_port
 from services.route.proxy import Proxy
-from services.route.upstreams import GENERATOR_SERVICE, Discovery, DnsWorkers, StaticWorkers, UpstreamSet
+from services.route.upstreams import (
+    GENERATOR_SERVICE,
+    Discovery,
+    DnsWorkers,
+    StaticWorkers,
+    UpstreamSet,
+)
 
 log = logging.getLogger(__name__)
 

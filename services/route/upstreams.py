@@ -72,9 +72,10 @@ Discovery = StaticWorkers | DnsWorkers
 @dataclass(eq=False, slots=True)
 class Upstream:
     """One worker as this router sees it. ``healthy``: its last health check said SERVING and no
-    call to it has failed UNAVAILABLE since (None until its first check). ``streams``: Generate streams this router has open to
-    it, the measure of the load bound (other routers' streams are not counted). ``calls``: every
-    call open to it; a worker that left the set (``retired``) keeps its channel until they end."""
+    call to it has failed UNAVAILABLE since (None until its first check). ``streams``: Generate
+    streams this router has open to it, the measure of the load bound (other routers' streams are
+    not counted). ``calls``: every call open to it, health checks included; a worker that left
+    the set (``retired``) keeps its channel until they end."""
 
     address: str
     channel: grpc.aio.Channel
@@ -98,7 +99,8 @@ class UpstreamSet:
         self._on_serving = on_serving
         self._members: dict[str, Upstream] = {}
         self._retiring: set[Upstream] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._loops: list[asyncio.Task] = []
+        self._closing: set[asyncio.Task] = set()
         self._serving: bool | None = None
         self._resolve_error: str | None = None
 
@@ -113,9 +115,9 @@ class UpstreamSet:
         """Discovers and checks the workers once (so the first calls find them), then keeps doing
         so in the background until ``close``."""
         await self._discover()
-        self._spawn(self._every(self._health_interval_s, self._check_all))
+        self._loops.append(asyncio.ensure_future(self._every(self._health_interval_s, self._check_all)))
         if self._discovery.interval_s is not None:
-            self._spawn(self._every(self._discovery.interval_s, self._discover))
+            self._loops.append(asyncio.ensure_future(self._every(self._discovery.interval_s, self._discover)))
 
     async def mark_unhealthy(self, upstream: Upstream, why: str) -> None:
         """A call to ``upstream`` failed UNAVAILABLE before it answered: no new calls go there
@@ -136,23 +138,26 @@ class UpstreamSet:
             upstream.streams -= stream
             if upstream.retired and not upstream.calls:
                 self._retiring.discard(upstream)
-                self._spawn(upstream.channel.close())
+                self._close_soon(upstream)
 
     async def close(self) -> None:
-        for task in list(self._tasks):
+        for task in self._loops:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._loops, *self._closing, return_exceptions=True)
         await asyncio.gather(*(u.channel.close() for u in [*self._members.values(), *self._retiring]))
 
-    def _spawn(self, coroutine: Awaitable[None]) -> None:
-        task = asyncio.ensure_future(coroutine)
-        self._tasks.add(task)  # a task nobody references can be collected before it ends
-        task.add_done_callback(self._tasks.discard)
+    def _close_soon(self, upstream: Upstream) -> None:
+        task = asyncio.ensure_future(upstream.channel.close())
+        self._closing.add(task)  # a task nobody references can be collected before it ends
+        task.add_done_callback(self._closing.discard)
 
     async def _every(self, interval_s: float, step: Callable[[], Awaitable[None]]) -> None:
         while True:
             await asyncio.sleep(interval_s)
-            await step()
+            try:
+                await step()
+            except Exception:  # noqa: BLE001 - a loop that died would freeze the worker set unnoticed
+                log.exception("updating the workers failed; trying again in %.1f s", interval_s)
 
     async def _discover(self) -> None:
         try:
@@ -186,20 +191,25 @@ class UpstreamSet:
         if upstream.calls:
             self._retiring.add(upstream)
         else:
-            self._spawn(upstream.channel.close())
+            self._close_soon(upstream)
 
     async def _check_all(self) -> None:
         await asyncio.gather(*(self._check(u) for u in self.members))
         await self._publish()
 
     async def _check(self, upstream: Upstream) -> None:
-        try:
-            reply = await health_pb2_grpc.HealthStub(upstream.channel).Check(
-                health_pb2.HealthCheckRequest(service=GENERATOR_SERVICE), timeout=self._health_timeout_s)
-            healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
-            why = f"health check: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-        except grpc.aio.AioRpcError as err:
-            healthy, why = False, f"health check: {err.code().name}: {err.details()}"
+        if upstream.retired:  # its channel may be closed already
+            return
+        # Counted as a call: a worker retired meanwhile keeps its channel until the check ends
+        # (closing it would cancel the check, and the cancellation would end the health loop).
+        with self.using(upstream, stream=False) as channel:
+            try:
+                reply = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=GENERATOR_SERVICE), timeout=self._health_timeout_s)
+                healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+                why = f"health check: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+            except grpc.aio.AioRpcError as err:
+                healthy, why = False, f"health check: {err.code().name}: {err.details()}"
         if not upstream.retired:
             self._set_health(upstream, healthy, why)
 

@@ -51,6 +51,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: worker
 {{- end -}}
 
+{{/* Selector of the router pods (router.enabled). */}}
+{{- define "kvshare.routerSelectorLabels" -}}
+{{ include "kvshare.selectorLabels" . }}
+app.kubernetes.io/component: router
+{{- end -}}
+
 {{/* Selector of the built-in Redis pod. */}}
 {{- define "kvshare.redisSelectorLabels" -}}
 {{ include "kvshare.selectorLabels" . }}
@@ -67,6 +73,10 @@ app.kubernetes.io/component: redis
 
 {{- define "kvshare.headlessName" -}}
 {{- printf "%s-headless" (include "kvshare.fullname" .) -}}
+{{- end -}}
+
+{{- define "kvshare.routerName" -}}
+{{- printf "%s-router" (include "kvshare.fullname" .) -}}
 {{- end -}}
 
 {{- define "kvshare.redisName" -}}
@@ -150,6 +160,15 @@ plus a margin; terminationGracePeriodSeconds when set (checked to be no shorter)
 {{- else -}}
 {{- int $set -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The router's seconds between TERM and KILL: the workers' preStop sleep, then its own NOT_SERVING
+window and drain, plus a margin.
+*/}}
+{{- define "kvshare.routerGraceSeconds" -}}
+{{- $c := .Values.router.config -}}
+{{- add (int .Values.lifecycle.preStopSleepSeconds) (ceil (default 2 $c.not_serving_s) | int) (ceil (default 20 $c.drain_s) | int) 5 -}}
 {{- end -}}
 
 {{/* Combinations of values that the schema cannot express; each fails the render with a reason. */}}

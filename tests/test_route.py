@@ -1,0 +1,495 @@
+"""`kvshare route` as a real subprocess in front of real `kvshare serve` workers sharing a real Redis.
+
+Which worker served a call is read from the workers' own log lines (one per request, with the
+request_id the test set). Where a call must still be running at a worker when the test acts on
+it, the worker's store is a socket that accepts and never answers, so the call sits in its cache
+lookup for seconds whatever the machine's speed; the test waits for it to be there (the worker's
+running-requests gauge) instead of assuming how long anything takes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.request import urlopen
+
+import grpc
+import pytest
+from conftest import wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.client import complete
+from services.local.redis_process import free_port
+from services.local.worker_process import RouterProcess, WorkerProcess
+from services.route.rendezvous import RoundRobin, choose, score
+from services.route.routing_key import (
+    PROMPT_TOKEN_IDS_ROUTED,
+    prompt_prefix,
+    routing_key,
+)
+
+pytestmark = pytest.mark.subprocess
+ROOT = Path(__file__).resolve().parent.parent
+GENERATE = "/kvshare.v1.Generator/Generate"
+# Longer than the 256 bytes that route a prompt: prompts that differ only after it share a worker.
+SYSTEM = "You are the support assistant of a bicycle shop. Answer briefly and politely. " * 4
+LOG_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Candidate:
+    """A worker as ``rendezvous.choose`` sees it."""
+
+    address: str
+    streams: int = 0
+
+
+def served_by(workers: list[WorkerProcess], request_id: str) -> WorkerProcess:
+    """The worker whose log has the end-of-request line of ``request_id`` (waits for it)."""
+    found: list[WorkerProcess] = []
+
+    def logged() -> bool:
+        found[:] = [w for w in workers if any(f"request {request_id} " in line for line in w.log_lines)]
+        return bool(found)
+
+    wait_until(logged, LOG_TIMEOUT_S, f"a worker's log line for request {request_id}")
+    assert len(found) == 1, f"request {request_id} logged by {len(found)} workers"
+    return found[0]
+
+
+def request_line(worker: WorkerProcess, request_id: str) -> str:
+    return next(line for line in worker.log_lines if f"request {request_id} " in line)
+
+
+def expected_worker(workers: list[WorkerProcess], request: pb.GenerateRequest, metadata=()) -> WorkerProcess:
+    """The worker rendezvous hashing gives ``request``, computed here from the documented rule."""
+    key = routing_key(request.SerializeToString(), metadata, 256)
+    best = choose(key, [Candidate(w.target) for w in workers])
+    return next(w for w in workers if w.target == best.address)
+
+
+def start_workers(model: Path, *flags: tuple[str, ...]) -> list[WorkerProcess]:
+    """One worker per tuple of flags, started side by side; none is left running when one fails."""
+    with ThreadPoolExecutor(len(flags)) as pool:
+        futures = [pool.submit(WorkerProcess, model, *f) for f in flags]
+    started = [f.result() for f in futures if f.exception() is None]
+    if len(started) < len(flags):
+        for worker in started:
+            worker.stop()
+        raise next(f.exception() for f in futures if f.exception() is not None)
+    return started
+
+
+def kill(worker: WorkerProcess) -> None:
+    """SIGKILL (no drain: the worker is gone at once), then reap."""
+    os.kill(worker.pid, signal.SIGKILL)
+    worker.stop()
+
+
+def running(metrics_port: int) -> float:
+    """The worker's kvshare_requests_running gauge: sequences holding a slot."""
+    text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kvshare_requests_running ")))
+
+
+# --- the routing rules, as pure functions ----------------------------------------------------
+
+
+def test_routing_key_is_the_prompt_prefix_salt_and_caller():
+    def key(request: pb.GenerateRequest, metadata=()) -> bytes:
+        return routing_key(request.SerializeToString(), metadata, 256)
+
+    same = [key(pb.GenerateRequest(prompt=SYSTEM + f"Question {i}?", max_new_tokens=i + 1)) for i in range(5)]
+    assert len(set(same)) == 1, "only the first 256 bytes count"
+    assert key(pb.GenerateRequest(prompt="short prompt")) != key(pb.GenerateRequest(prompt="short prompt!"))
+    base = pb.GenerateRequest(prompt=SYSTEM)
+    salted = pb.GenerateRequest(prompt=SYSTEM, cache=pb.CacheOptions(salt="tenant-b"))
+    assert key(base) != key(salted)
+    assert key(base, (("authorization", "Bearer a"),)) != key(base, (("authorization", "Bearer b"),))
+    assert key(base, (("x-trace", "1"),)) == key(base), "only the authorization metadata counts"
+
+    chat = [pb.ChatMessage(role="system", content=SYSTEM), pb.ChatMessage(role="user", content="hi")]
+    other_user = [chat[0], pb.ChatMessage(role="user", content="something else")]
+    assert key(pb.GenerateRequest(messages=chat)) == key(pb.GenerateRequest(messages=other_user))
+    assert prompt_prefix(pb.GenerateRequest(messages=chat[1:]), 256) == b"muser\x00hi\x00"
+
+    ids = list(range(3, 3 + PROMPT_TOKEN_IDS_ROUTED))
+    assert key(pb.GenerateRequest(prompt_token_ids=ids + [7])) == key(pb.GenerateRequest(prompt_token_ids=ids + [9]))
+    assert key(pb.GenerateRequest(prompt_token_ids=[5, 6])) != key(pb.GenerateRequest(prompt_token_ids=[5, 7]))
+    # Multi-byte characters are cut at 256 bytes, not characters.
+    assert len(prompt_prefix(pb.GenerateRequest(prompt="é" * 300), 256)) == 1 + 256
+
+    assert key(pb.GenerateRequest(max_new_tokens=4)) is None, "no prompt: round-robin, the worker refuses it"
+    assert routing_key(b"\xff\xff\xff", (), 256) is None, "unparseable: round-robin, the worker refuses it"
+
+
+def test_rendezvous_moves_only_the_removed_workers_keys_and_respects_the_load_bound():
+    workers = [Candidate(f"10.0.0.{i}:50051") for i in range(1, 6)]
+    keys = [hashlib.blake2b(str(i).encode(), digest_size=16).digest() for i in range(2000)]
+    before = {k: choose(k, workers).address for k in keys}
+    assert all(before[k] == max(workers, key=lambda w: score(k, w.address)).address for k in keys)
+    counts = [sum(a == w.address for a in before.values()) for w in workers]
+    assert min(counts) > 300, f"keys spread over the workers: {counts}"
+
+    gone = workers[2]
+    after = {k: choose(k, [w for w in workers if w is not gone]).address for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == gone.address for k in moved), "only the removed worker's keys move"
+    assert all(after[k] == before[k] for k in keys if before[k] != gone.address)
+
+    key = keys[0]
+    ranked = sorted(workers, key=lambda w: score(key, w.address), reverse=True)
+    ranked[0].streams = 2
+    assert choose(key, workers, max_streams=2) is ranked[1], "at the bound: the next-best worker"
+    assert choose(key, workers, max_streams=3) is ranked[0]
+    for w in workers:
+        w.streams = 2
+    ranked[3].streams = 1
+    assert choose(key, workers, max_streams=2) is ranked[3], "all at the bound: the least loaded"
+    assert choose(key, []) is None
+
+    turns = RoundRobin()
+    assert {turns.choose(workers).address for _ in range(10)} == {w.address for w in workers}
+
+
+# --- a router in front of two workers --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_model, redis_server):
+    """Two workers sharing one Redis, and a router in front of them (health checked every 0.2 s)."""
+    args = ("--cache", redis_server.url, "--max-new-tokens-cap", "1000", "--max-unread-tokens", "8")
+    workers = start_workers(tiny_model, args, args)
+    try:
+        with RouterProcess([w.target for w in workers], "--health-interval-s", "0.2") as router:
+            yield workers, router
+    finally:
+        for w in workers:
+            w.stop()
+
+
+@pytest.fixture()
+def router_stub(fleet):
+    _, router = fleet
+    with grpc.insecure_channel(router.target) as channel:
+        yield pb_grpc.GeneratorStub(channel)
+
+
+def test_generate_streams_through_the_router_as_from_the_worker(fleet, router_stub):
+    workers, router = fleet
+    # Both computed (no cache read), so the comparison is exact.
+    request = pb.GenerateRequest(request_id="same-tokens", prompt=SYSTEM + "Can I return a helmet?",
+                                 max_new_tokens=40, ignore_eos=True, cache=pb.CacheOptions(skip_read=True))
+    messages = list(router_stub.Generate(request, timeout=30))
+    # At most 8 unread tokens per stream at the worker: 40 tokens arrive in several messages,
+    # passed on one by one, not gathered.
+    assert len(messages) >= 5 and messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    via_router = [t for m in messages for t in m.token_ids]
+    worker = served_by(workers, "same-tokens")
+    with worker.channel() as channel:
+        direct = complete(pb_grpc.GeneratorStub(channel), request, timeout_s=30)
+    assert via_router == direct.token_ids and len(via_router) == 40
+    assert "".join(m.text for m in messages) == direct.text
+
+    ids = router_stub.Tokenize(pb.TokenizeRequest(text="café 🙂"), timeout=30).token_ids
+    assert router_stub.Tokenize(pb.TokenizeRequest(token_ids=ids), timeout=30).text == "café 🙂"
+    info = router_stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+    assert info.vocab_size == 512 and info.block_size == 64
+
+    with grpc.insecure_channel(router.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "kvshare.v1.Generator"):
+            assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        assert "kvshare.v1.Generator" in ProtoReflectionDescriptorDatabase(channel).get_services()
+
+
+def test_same_prefix_lands_on_the_same_worker(fleet, router_stub):
+    workers, _ = fleet
+    for p in range(12):
+        prefix = f"Shop {p}. {SYSTEM}"
+        served = set()
+        for q in range(3):
+            request = pb.GenerateRequest(request_id=f"prefix-{p}-{q}", prompt=f"{prefix} Question {q}: why?",
+                                         max_new_tokens=1)
+            complete(router_stub, request, timeout_s=30)
+            assert served_by(workers, request.request_id) is expected_worker(workers, request), request.request_id
+            served.add(served_by(workers, request.request_id).target)
+        assert len(served) == 1, f"prefix {p} went to {served}"
+
+
+def test_cancel_mid_stream_ends_the_workers_stream(fleet, router_stub):
+    workers, _ = fleet
+    request = pb.GenerateRequest(request_id="cancel-mid-stream", prompt=SYSTEM + "Tell me everything.",
+                                 max_new_tokens=800, ignore_eos=True)
+    call = router_stub.Generate(request, timeout=60)
+    next(call)
+    call.cancel()
+    worker = served_by(workers, "cancel-mid-stream")
+    # Stopped early, unless the worker made all 800 tokens before the cancel reached it (the test
+    # assumes no speed; test_client_cancel_frees_the_workers_slot pins the cancel down).
+    line = request_line(worker, "cancel-mid-stream")
+    assert "stopped after" in line or "finished after 800" in line, line
+    complete(router_stub, pb.GenerateRequest(prompt=request.prompt, max_new_tokens=2), timeout_s=30)
+
+
+def test_bad_bytes_get_invalid_argument_never_unknown(fleet, router_stub):
+    _, router = fleet
+    with grpc.insecure_channel(router.target) as channel:
+        stream, unary = channel.unary_stream, channel.unary_unary
+        cases = {
+            "garbage Generate": (lambda data: list(stream(GENERATE)(data, timeout=30)), b"\xff\xff\xff"),
+            "invalid UTF-8 in prompt": (lambda data: list(stream(GENERATE)(data, timeout=30)), b"\x12\x01\xff"),
+            "garbage Tokenize": (lambda data: unary("/kvshare.v1.Generator/Tokenize")(data, timeout=30), b"\x0a\x05ab"),
+            "garbage GetModelInfo": (lambda data: unary("/kvshare.v1.Generator/GetModelInfo")(data, timeout=30), b"\xff"),
+        }
+        for name, (call, data) in cases.items():
+            with pytest.raises(grpc.RpcError) as info:
+                call(data)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, info.value.details())
+            assert "request is not a valid kvshare.v1." in info.value.details(), name
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/kvshare.v1.Generator/NoSuchMethod")(b"", timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    # A request that parses but that the worker refuses: the worker's status and details, unchanged.
+    with pytest.raises(grpc.RpcError) as info:
+        list(router_stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=0), timeout=30))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("max_new_tokens")
+    with pytest.raises(grpc.RpcError) as info:
+        list(router_stub.Generate(pb.GenerateRequest(prompt="x" * 5_000_000, max_new_tokens=1), timeout=30))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    complete(router_stub, pb.GenerateRequest(prompt=SYSTEM, max_new_tokens=1), timeout_s=30)  # still serves
+
+
+# --- calls that must still be running at the worker --------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stuck_fleet(tiny_model):
+    """Two workers whose store accepts connections and never answers: a call sits in its cache
+    lookup for 2 x 5 s (the store's deadline, and its one retry), whatever the machine's speed. Its
+    breaker never opens, so every call waits the same. Each has a metrics port."""
+    with socket.socket() as blackhole:
+        blackhole.bind(("127.0.0.1", 0))
+        blackhole.listen(128)
+        store = f"redis://127.0.0.1:{blackhole.getsockname()[1]}/0"
+        args = ("--cache", store, "--cache-op-timeout-ms", "5000", "--cache-connect-timeout-ms", "5000",
+                "--breaker-failures", "1000000", "--max-new-tokens-cap", "1000")
+        ports = [free_port(), free_port()]
+        workers = start_workers(tiny_model, *[(*args, "--metrics-port", str(p)) for p in ports])
+        try:
+            yield workers, ports
+        finally:
+            for w in workers:
+                w.stop()
+
+
+def test_client_cancel_frees_the_workers_slot(stuck_fleet):
+    """The call is at its worker (holding a slot) when the client cancels: the worker ends it and
+    frees the slot, and the router stops counting it (with a bound of one stream per worker, the
+    prefix's next call goes to the same worker again)."""
+    workers, ports = stuck_fleet
+    with RouterProcess([w.target for w in workers], "--max-streams-per-worker", "1") as router, \
+            grpc.insecure_channel(router.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        for i in range(2):
+            request = pb.GenerateRequest(request_id=f"cancel-at-worker-{i}", prompt=SYSTEM, max_new_tokens=800,
+                                         ignore_eos=True)
+            worker = expected_worker(workers, request)
+            port = ports[workers.index(worker)]
+            call = stub.Generate(request, timeout=60)
+            wait_until(lambda p=port: running(p) == 1, LOG_TIMEOUT_S, "the call to hold a slot at its worker")
+            call.cancel()
+            assert served_by(workers, request.request_id) is worker
+            line = request_line(worker, request.request_id)
+            assert f"request {request.request_id} stopped after 0 generated tokens" in line, line
+            wait_until(lambda p=port: running(p) == 0, LOG_TIMEOUT_S, "the worker's slot to be free")
+
+
+def test_deadline_reaches_the_worker(stuck_fleet):
+    workers, _ = stuck_fleet
+    with RouterProcess([w.target for w in workers]) as router, grpc.insecure_channel(router.target) as channel:
+        request = pb.GenerateRequest(request_id="deadline-1", prompt=SYSTEM, max_new_tokens=800, ignore_eos=True)
+        with pytest.raises(grpc.RpcError) as info:
+            list(pb_grpc.GeneratorStub(channel).Generate(request, timeout=1.0))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        worker = served_by(workers, "deadline-1")
+        assert worker is expected_worker(workers, request)
+        assert "request deadline-1 stopped after 0 generated tokens" in request_line(worker, "deadline-1")
+
+
+def test_load_bound_sends_a_busy_prefix_to_the_next_worker(stuck_fleet):
+    workers, ports = stuck_fleet
+    with RouterProcess([w.target for w in workers], "--max-streams-per-worker", "1") as router, \
+            grpc.insecure_channel(router.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        requests = [pb.GenerateRequest(request_id=f"bound-{i}", prompt=SYSTEM + f"Question {i}", max_new_tokens=800)
+                    for i in range(3)]
+        first = expected_worker(workers, requests[0])
+        other = next(w for w in workers if w is not first)
+        calls = []
+        for request, worker, slots in zip(requests, (first, other, first), (1, 1, 2), strict=True):
+            calls.append(stub.Generate(request, timeout=60))
+            port = ports[workers.index(worker)]
+            wait_until(lambda p=port, n=slots: running(p) == n, LOG_TIMEOUT_S, f"{request.request_id} at its worker")
+        for call in calls:
+            call.cancel()
+        # One stream each: the prefix's own worker, then the next-best; with both at the bound,
+        # the least loaded (a tie: the prefix's own).
+        assert [served_by(workers, r.request_id) for r in requests] == [first, other, first]
+
+
+# --- workers that go away -----------------------------------------------------------------------
+
+
+def test_a_stopped_worker_loses_its_prefixes_to_the_other(tiny_model, redis_url):
+    """Router A checks health every 0.2 s and moves the prefix when the worker reports NOT_SERVING
+    (it still takes calls for 60 s); router B never checks again after its start, and moves the
+    prefix when a call fails UNAVAILABLE (the worker killed), retrying that call on the other."""
+    args = ("--cache", redis_url, "--not-serving-s", "60")
+    workers = start_workers(tiny_model, args, args)
+    try:
+        targets = [w.target for w in workers]
+        with RouterProcess(targets, "--health-interval-s", "0.2") as checking, \
+                RouterProcess(targets, "--health-interval-s", "3600") as unchecking, \
+                grpc.insecure_channel(checking.target) as c1, grpc.insecure_channel(unchecking.target) as c2:
+            via_checking, via_unchecking = pb_grpc.GeneratorStub(c1), pb_grpc.GeneratorStub(c2)
+            asked = iter(range(1000))
+
+            def ask(stub) -> WorkerProcess:
+                i = next(asked)
+                request = pb.GenerateRequest(request_id=f"failover-{i}", prompt=SYSTEM + f"Question {i}?",
+                                             max_new_tokens=2)
+                complete(stub, request, timeout_s=30)
+                return served_by(workers, request.request_id)
+
+            home = ask(via_checking)
+            other = next(w for w in workers if w is not home)
+            assert ask(via_unchecking) is home
+
+            os.kill(home.pid, signal.SIGTERM)  # NOT_SERVING for 60 s, still taking calls
+            wait_until(lambda: any(f"worker {home.target} is unhealthy (health check: NOT_SERVING)" in line
+                                   for line in checking.log_lines), LOG_TIMEOUT_S, "router A to see NOT_SERVING")
+            assert [ask(via_checking) for _ in range(3)] == [other] * 3
+
+            kill(home)
+            assert [ask(via_unchecking) for _ in range(3)] == [other] * 3, "retried on the other worker"
+            assert any(f"worker {home.target} is unhealthy (UNAVAILABLE" in line for line in unchecking.log_lines)
+    finally:
+        for w in workers:
+            w.stop(timeout_s=1)  # the one not killed would report NOT_SERVING for 60 s
+
+
+def test_a_worker_leaving_discovery_keeps_its_channel_until_its_calls_end(fleet):
+    """The worker set as DNS discovery drives it (here from a list the test changes): a worker
+    that leaves gets no new calls at once, its calls in flight finish on its channel, and the
+    channel closes after the last; with no worker left the router says NOT_SERVING."""
+    import asyncio
+
+    from services.route.upstreams import UpstreamSet
+
+    workers, _ = fleet
+
+    @dataclass
+    class Listed:
+        addresses: list[str]
+        interval_s: float = 0.05
+
+        async def resolve(self) -> list[str]:
+            return list(self.addresses)
+
+    async def eventually(predicate, what: str) -> None:
+        for _ in range(int(LOG_TIMEOUT_S / 0.01)):
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    async def run() -> None:
+        listed, serving = Listed([w.target for w in workers]), []
+
+        async def on_serving(now: bool) -> None:
+            serving.append(now)
+
+        upstreams = UpstreamSet(listed, health_interval_s=0.05, health_timeout_s=5.0, on_serving=on_serving)
+        await upstreams.start()
+        try:
+            staying, leaving = sorted(upstreams.members, key=lambda u: u.address != workers[0].target)
+            assert upstreams.healthy() == upstreams.members and serving == [True]
+            with upstreams.using(leaving, stream=True) as channel:
+                listed.addresses = [staying.address]
+                await eventually(lambda: leaving.retired, "the worker to leave")
+                assert upstreams.members == [staying] and upstreams.healthy() == [staying]
+                info = await channel.unary_unary("/kvshare.v1.Generator/GetModelInfo")(b"", timeout=30)
+                assert pb.GetModelInfoResponse.FromString(info).vocab_size == 512, "its channel still works"
+            await eventually(lambda: leaving.channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN,
+                             "its channel to close")
+            assert staying.channel.get_state() != grpc.ChannelConnectivity.SHUTDOWN
+            listed.addresses = []
+            await eventually(lambda: serving == [True, False], "NOT_SERVING without workers")
+        finally:
+            await upstreams.close()
+
+    asyncio.run(run())
+
+
+def test_no_healthy_worker_is_unavailable_and_not_serving():
+    port = free_port()  # nothing listens there
+    with RouterProcess([f"127.0.0.1:{port}"], wait_serving=False) as router, \
+            grpc.insecure_channel(router.target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        assert health.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        stub = pb_grpc.GeneratorStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=1), timeout=30))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert info.value.details() == "no healthy worker among 1"
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# --- metadata, discovery, settings ---------------------------------------------------------------
+
+
+def test_api_keys_pass_through_and_dns_discovery(tiny_model, tmp_path):
+    key = "route-test-key-0123456789"
+    keys = tmp_path / "api-keys"
+    keys.write_text(f"acme {hashlib.sha256(key.encode()).hexdigest()}\n")
+    with WorkerProcess(tiny_model, "--api-keys-file", str(keys)) as worker:
+        port = worker.target.rsplit(":", 1)[1]
+        # localhost may resolve to ::1 as well, where nothing listens: that record is unhealthy.
+        with RouterProcess([], "--workers-dns", f"localhost:{port}", "--discovery-interval-s", "0.5") as router, \
+                grpc.insecure_channel(router.target) as channel:
+            assert any("workers: " in line and f"127.0.0.1:{port}" in line for line in router.log_lines)
+            stub = pb_grpc.GeneratorStub(channel)
+            request = pb.GenerateRequest(prompt=SYSTEM, max_new_tokens=2, ignore_eos=True)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(request, timeout=30))
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+            done = complete(stub, request, timeout_s=30, metadata=(("authorization", f"Bearer {key}"),))
+            assert done.last.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize(("args", "env", "says"), [
+    ([], {}, "exactly one of --workers"),
+    (["--workers", "a:1", "--workers-dns", "b:2"], {}, "exactly one of --workers"),
+    (["--workers", "a:1,b"], {}, "--workers: 'b' is not HOST:PORT"),
+    ([], {"KVSHARE_ROUTE_WORKERS": "a:1", "KVSHARE_ROUTE_HEALTH_INTERVAL_S": "0"},
+     "--health-interval-s (env KVSHARE_ROUTE_HEALTH_INTERVAL_S) must be"),
+])
+def test_route_settings_are_checked_at_start(args, env, says):
+    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "route", *args], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, env={**os.environ, **env})
+    assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
