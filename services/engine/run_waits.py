@@ -9,9 +9,9 @@ The wait ends, and the sequence computes whatever it still lacks, at the first o
 - every block of the run has arrived (the common case: nothing computed twice);
 - the lease is gone with blocks still missing (the holder finished a shorter prompt, or failed);
 - no block arrived for ``stall`` (the holder died, or is too busy to be worth waiting for);
-- waiting has become slower than computing: at the pace the holder's blocks have arrived so far,
-  the missing ones would take longer than this worker computing them now, from its own measured
-  prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
+- waiting has become slower than computing: at the pace the holder's blocks have arrived since
+  the first of them, the missing ones would take longer than this worker computing them now, from
+  its own measured prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
 
 So a wait lasts about as long as computing would have at most, and a store that is slow, down or
 hostile (a forged lease: see ``SignedStore.claim``) costs at most the stall bound, never a wrong
@@ -98,9 +98,12 @@ class RunWait:
     stall_s: float
     on_end: Callable[[WaitEnd], None]
     """Called once, on the polling thread, when the wait ends."""
-    started: float = field(default_factory=time.monotonic)
     last_progress: float = field(default_factory=time.monotonic)
     received: int = 0
+    first_arrival: float | None = None
+    """time.monotonic() when the first blocks arrived: the holder's pace is measured from there
+    (before, it may have been computing for a while, or just starting)."""
+    first_batch: int = 0
 
 
 class RunWaits:
@@ -168,12 +171,15 @@ class RunWaits:
         if arrived:
             wait.last_progress = now
             wait.received += arrived
+            if wait.first_arrival is None:
+                wait.first_arrival, wait.first_batch = now, arrived
         missing = wait.missing()
         if not missing:
             return WaitEnd.COMPLETE
         if now - wait.last_progress >= wait.stall_s:
             return WaitEnd.STALLED
-        if wait.received and missing * (now - wait.started) / wait.received > wait.compute_s(missing):
+        since_first = wait.received - wait.first_batch
+        if since_first and missing * (now - wait.first_arrival) / since_first > wait.compute_s(missing):
             return WaitEnd.SLOWER
         if not wait.held():
             # The holder publishes its last blocks before it releases: one more read decides.
