@@ -9,7 +9,8 @@ prefix, and how late is the slowest first token against one cold request alone?
   prompt shape sent alone, cold, to an idle fleet.
 
 Each replica count ends with one more burst while Redis is down: it must complete with the same
-answers, each worker computing the prefix once for its own requests.
+answers and nobody waiting for a lease; each worker computes the prefix at most once per request
+(once, when its requests overlap in time).
 
 Every answer is compared with the same prompt computed cold (greedy, EOS ignored).
 

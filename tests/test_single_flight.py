@@ -230,8 +230,6 @@ def test_redis_down_the_burst_computes_and_answers_as_cold(tiny_model, redis_ser
         answers = asyncio.run(burst())
         assert time.monotonic() - t < 60
         assert not any(e.cache_stats.lease_waits for e in engines), "no lease, no wait"
-        # Each worker still computes the prefix once for its own rows.
-        assert all(e.scheduler.stats.shared_tokens == PREFIX for e in engines)
         for req, (tokens, _, _) in zip(requests, answers, strict=True):
             assert tokens == alone(engines[0], req)[0]
     finally:

@@ -488,6 +488,8 @@ class Engine:
 
         def end(outcome: WaitEnd) -> None:
             self.cache_stats.count("lease_waits", outcome.value)
+            log.debug("request %s: waited %.0f ms for another worker's %d blocks: %s, %d arrived", seq.request_id,
+                      (time.perf_counter() - t) * 1e3, run, outcome.value, seq.lookup.hit_blocks)
             self._fetched(seq, t)
             if own:
                 with self._publish_lock:
@@ -502,6 +504,7 @@ class Engine:
             cancelled=lambda: seq.aborted or seq.done,
             compute_s=lambda blocks: factor * pace.expected_ms(blocks * size) / 1e3,
             stall_s=stall_ms / 1e3,
+            first_stall_s=max(stall_ms, factor * pace.expected_ms(run * size)) / 1e3,
             on_end=end,
         ))
         return False

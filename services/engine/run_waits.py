@@ -8,7 +8,9 @@ The wait ends, and the sequence computes whatever it still lacks, at the first o
 
 - every block of the run has arrived (the common case: nothing computed twice);
 - the lease is gone with blocks still missing (the holder finished a shorter prompt, or failed);
-- no block arrived for ``stall`` (the holder died, or is too busy to be worth waiting for);
+- no block arrived for ``stall`` (the holder died, or is too busy to be worth waiting for): three
+  chunks' worth of this worker's prefill time between arrivals, and up to the time it would take
+  to compute the whole run for the first ones;
 - waiting has become slower than computing: at the pace the holder's blocks have arrived since
   the first of them, the missing ones would take longer than this worker computing them now, from
   its own measured prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
@@ -36,10 +38,12 @@ holder's chunks are quick."""
 
 @dataclass(frozen=True, slots=True)
 class LeaseOptions:
-    wait_factor: float = 1.0
+    wait_factor: float = 2.0
     """A waiter computes the missing blocks itself once waiting for them looks slower than this
     many times its own expected time to compute them; 0 turns leases off (every worker computes
-    what it lacks)."""
+    what it lacks). Not 1: a holder as fast as the waiter makes the two estimates equal, so noise
+    would decide, and a waiter that computes on CPUs it shares with the holder slows both (a
+    burst over replicas on one machine computed the prefix 1.75x fleet-wide at 1)."""
     poll_ms: float = 10.0
     """How often a waiter looks for newly published blocks (ms)."""
     first_ms_per_token: float = 1.0
@@ -96,6 +100,10 @@ class RunWait:
     compute_s: Callable[[int], float]
     """Seconds this worker would take to compute that many missing blocks (wait factor included)."""
     stall_s: float
+    """Longest gap between arrivals once blocks come."""
+    first_stall_s: float
+    """Longest wait for the first blocks: the holder computes a whole chunk before it publishes
+    any, more slowly than usual when the burst that made it the holder loads its machine."""
     on_end: Callable[[WaitEnd], None]
     """Called once, on the polling thread, when the wait ends."""
     last_progress: float = field(default_factory=time.monotonic)
@@ -176,7 +184,7 @@ class RunWaits:
         missing = wait.missing()
         if not missing:
             return WaitEnd.COMPLETE
-        if now - wait.last_progress >= wait.stall_s:
+        if now - wait.last_progress >= (wait.stall_s if wait.first_arrival is not None else wait.first_stall_s):
             return WaitEnd.STALLED
         since_first = wait.received - wait.first_batch
         if since_first and missing * (now - wait.first_arrival) / since_first > wait.compute_s(missing):
