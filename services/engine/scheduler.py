@@ -334,13 +334,15 @@ class Scheduler:
         out instead of computing the same tokens. Returns the prompt tokens ``seq`` holds once this
         step's copies are done, or None: it sits this step out.
 
-        The rows waited for are those admitted earlier, which come first for the prefill budget,
-        and rows waiting in the store for another worker's blocks, whose wait depends on no row
-        (and is bounded: ``run_waits``). So a sequence never waits longer than computing would take
-        it, and waits never form a cycle."""
+        The rows waited for are the row holding the fleet's lease on the prompt (it waits for
+        nobody), rows admitted earlier, which come first for the prefill budget, and rows waiting
+        in the store for another worker's blocks, whose wait depends on no row (and is bounded:
+        ``run_waits``). So a sequence never waits longer than computing would take it, and waits
+        never form a cycle."""
         if seq.prompt_logprobs is not None or seq.cache.skip_read or seq.lookup is None:
             return seq.prefilled  # prompt log-probabilities need every position computed; skip_read means cold
         size = seq.namespace.block_size
+        holder = seq.lease is not None  # copies what is there, never waits: the others wait for it
         earlier = True
         for row in self._active:
             if row is seq:
@@ -349,11 +351,11 @@ class Scheduler:
             if row.lookup is None or row.phase not in (Phase.FETCHING, Phase.PREFILLING, Phase.DECODING):
                 continue
             shared = min(_common_blocks(seq.lookup.hashes, row.lookup.hashes) * size, len(seq.prompt) - 1)
-            if not earlier:
-                if not row.awaiting:
-                    continue
-                if row.phase is not Phase.FETCHING:  # what it fetched, never what it computes
-                    shared = min(shared, row.lookup.hit_blocks * size)
+            # Any row's K/V may be copied; a later row is waited for only if it holds the lease or
+            # fetches (and then only for what it fetched, never for what it computes).
+            waitable = earlier or row.lease is not None or row.awaiting
+            if not earlier and row.lease is None and row.awaiting and row.phase is not Phase.FETCHING:
+                shared = min(shared, row.lookup.hit_blocks * size)
             if shared <= seq.prefilled:
                 continue
             held = 0
@@ -363,8 +365,8 @@ class Scheduler:
                 held = min(shared, row.prefilled)
             if held > seq.prefilled:
                 plan.share.append((seq, row, held))
-                return held if held == shared or row.phase is Phase.DECODING else None
-            if row.phase is Phase.DECODING:
+                return held if held == shared or holder or row.phase is Phase.DECODING else None
+            if row.phase is Phase.DECODING or holder or not waitable:
                 continue
             self.stats.shared_waits += 1
             return None
