@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
-import signal
 import ssl
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
 from services.api.api_keys import ApiKeys
 from services.api.config import Settings
+from services.api.graceful import serve_until_signalled
 from services.api.method_handlers import add_generator_to_server
 from services.api.metrics import WorkerMetrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
@@ -187,15 +186,7 @@ async def serve(settings: Settings) -> None:
              "plaintext" if credentials is None else "TLS" if settings.tls_client_ca_file is None else "mutual TLS",
              ", API keys required" if keys else "")
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: NOT_SERVING for %.1f s, then draining for up to %.1f s", settings.not_serving_s, settings.drain_s)
-    await health_servicer.enter_graceful_shutdown()
-    await asyncio.sleep(settings.not_serving_s)
-    await server.stop(settings.drain_s)
+    await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s)
     await engine.wait_for_publishes()
     engine.close()
     log.info("stopped")

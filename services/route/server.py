@@ -6,14 +6,13 @@ front of routers stops sending to a router that could only answer UNAVAILABLE.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import signal
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.api.graceful import serve_until_signalled
 from services.errors import StartupError
 from services.route.config import RouteSettings, split_host_port
 from services.route.proxy import Proxy
@@ -76,14 +75,6 @@ async def serve(settings: RouteSettings) -> None:
              settings.host, port, len(upstreams.members), len(upstreams.healthy()), settings.route_prefix_bytes,
              f", at most {settings.max_streams_per_worker} streams per worker" if settings.max_streams_per_worker else "")
 
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    log.info("shutting down: NOT_SERVING for %.1f s, then draining for up to %.1f s", settings.not_serving_s, settings.drain_s)
-    await health_servicer.enter_graceful_shutdown()
-    await asyncio.sleep(settings.not_serving_s)
-    await server.stop(settings.drain_s)
+    await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s)
     await upstreams.close()
     log.info("stopped")
