@@ -83,12 +83,13 @@ class PrefixStore:
         self.stats.add(block_hits=hits, block_misses=len(found.hashes) - hits)
         return found
 
-    def extend(self, found: PrefixLookup, block_size: int, into: Callable[[int, np.ndarray], bool] | None = None) -> int:
-        """Reads on from the end of ``found``'s run (blocks another worker published since), as
-        ``lookup`` reads; adds them to ``found`` and returns how many were added. Not counted as
-        hits or misses: ``lookup`` counted the prompt's blocks once."""
+    def extend(self, found: PrefixLookup, block_size: int, into: Callable[[int, np.ndarray], bool] | None = None,
+               limit: int | None = None) -> int:
+        """Reads on from the end of ``found``'s run (blocks another worker published since), at
+        most ``limit`` blocks, as ``lookup`` reads; adds them to ``found`` and returns how many
+        were added. Not counted as hits or misses: ``lookup`` counted the prompt's blocks once."""
         first = found.hit_blocks
-        hashes = found.hashes[first:]
+        hashes = found.hashes[first : None if limit is None else first + limit]
         keys = [block_key(h) for h in hashes]
         expected = Expected(ValueKind.PREFIX_BLOCK, b"", self.geometry.dtype, self.geometry.block_shape(block_size),
                             self.store.authenticated)

@@ -510,7 +510,11 @@ class Engine:
         return False
 
     def _fetch_more(self, seq: Sequence, block_size: int, receiver: Callable[[int, np.ndarray], bool] | None) -> int:
-        arrived = self.prefix.extend(seq.lookup, block_size, receiver)
+        """One poll of a wait: the next missing block alone (most polls find nothing: one GET, not
+        one per missing block), then, once it came, every block that follows it."""
+        arrived = self.prefix.extend(seq.lookup, block_size, receiver, limit=1)
+        if arrived:
+            arrived += self.prefix.extend(seq.lookup, block_size, receiver)
         self.cache_stats.add(blocks_received=arrived)
         return arrived
 
