@@ -623,8 +623,10 @@ class Engine:
                 lease.end()
 
         seq.published_blocks = last
-        seq.publishing = self._publish_blocks(seq, first, last, publish)
-        if seq.publishing is None and prompt_done and lease is not None:
+        published = self._publish_blocks(seq, first, last, publish)
+        if published is not None:
+            seq.publishing = published
+        elif prompt_done and lease is not None:  # dropped: the leases end after the earlier chunks
             seq.lease = lease
             self.release_leases([seq])
 

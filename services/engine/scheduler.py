@@ -87,7 +87,7 @@ class SchedulerStats:
     """Prompt tokens copied from another row of this worker that computed (or fetched) the same
     prefix, instead of being computed again (in-worker single-flight)."""
     shared_waits: int = 0
-    """Steps a prefilling sequence sat out because an earlier row was about to hold its prefix."""
+    """Steps a prefilling sequence sat out because another row was about to hold its prefix."""
 
 
 @dataclass(slots=True)
@@ -99,8 +99,8 @@ class StepPlan:
     """Sequences whose fetch ended: their cached blocks go into their slots first thing, so that
     rows waiting for those blocks can copy them whether or not a chunk of theirs runs."""
     share: list[tuple[Sequence, Sequence, int]] = field(default_factory=list)
-    """(sequence, earlier row, tokens): the sequence's prompt up to ``tokens`` is copied from
-    the earlier row, which holds it, before the step's model runs."""
+    """(sequence, row, tokens): the sequence's prompt up to ``tokens`` is copied from the other
+    row, which holds it, before the step's model runs."""
 
     @property
     def empty(self) -> bool:
