@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 from certs import TestCA
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
 
 from cachestore.signing import Keyring
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.local.redis_process import RedisServer, ServerTLS, supports_tls
+from services.local.redis_process import RedisServer, ServerTLS, free_port, supports_tls
 from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess
@@ -130,6 +133,27 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(tiny_model, ca, tmp_p
             with grpc.secure_channel(worker.target, credentials) as channel, pytest.raises(grpc.RpcError) as err:
                 generate(pb_grpc.GeneratorStub(channel))
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_tls_worker_answers_kubelet_style_plaintext_health_checks_on_its_health_port_only(tiny_model, ca):
+    """Kubernetes' gRPC probes speak no TLS: --health-port serves grpc.health.v1 in plaintext and
+    nothing else; --reflection false leaves the API's shape to those who hold the .proto files."""
+    server, health_port = ca.issue("worker-h", server=True), free_port()
+    with WorkerProcess(tiny_model, "--tls-cert-file", str(server.cert), "--tls-key-file", str(server.key),
+                       "--health-port", str(health_port), "--reflection", "false",
+                       credentials=tls_credentials(ca)) as worker:
+        with grpc.insecure_channel(f"127.0.0.1:{health_port}") as plain:
+            for service in ("", "kvshare.v1.Generator"):
+                reply = health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                generate(pb_grpc.GeneratorStub(plain))
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        with worker.channel() as channel:
+            assert generate(pb_grpc.GeneratorStub(channel)) == 0
+            with pytest.raises(grpc.RpcError) as err:
+                ProtoReflectionDescriptorDatabase(channel).get_services()
+            assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 needs_tls_redis = pytest.mark.skipif(

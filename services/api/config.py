@@ -86,6 +86,8 @@ class Settings(FlagSettings):
     tls_cert_file: Path | None = field(default=None, metadata={"help": "Serve gRPC over TLS with this certificate chain (PEM); needs --tls-key-file."})
     tls_key_file: Path | None = field(default=None, metadata={"help": "Private key of --tls-cert-file (PEM)."})
     tls_client_ca_file: Path | None = field(default=None, metadata={"help": "Require client certificates signed by this CA (mutual TLS); needs --tls-cert-file."})
+    health_port: int = field(default=0, metadata={"min": 0, "max": 65535, "help": "A second, plaintext port (on --host) serving only grpc.health.v1, for probes that speak no TLS (Kubernetes' gRPC probes) while the gRPC port uses TLS; 0 = none."})
+    reflection: bool = field(default=True, metadata={"help": "Serve gRPC server reflection (lets grpcurl list and call the API without the .proto files); it also tells any caller the API's shape."})
     breaker_failures: int = field(default=3, metadata={"help": "Consecutive store failures that open the circuit breaker."})
     breaker_backoff_ms: float = field(default=1000.0, metadata={"help": "First pause before the breaker probes the store again (doubles per failed probe)."})
     breaker_max_backoff_ms: float = field(default=30000.0, metadata={"help": "Longest pause between probes of a failing store."})
@@ -115,12 +117,28 @@ class Settings(FlagSettings):
     log_format: str = field(default="text", metadata={"help": "Log lines as text, or json (one object per line, for log shippers); one line per finished request either way.", "choices": ["text", "json"]})
 
 
+_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
+
+
+def _bool(raw: str) -> bool:
+    """A yes/no setting as written in an environment variable or a flag (true/false, 1/0, yes/no, on/off)."""
+    word = raw.strip().lower()
+    if word not in _TRUE | _FALSE:
+        raise ValueError(f"{raw!r} is not true or false")
+    return word in _TRUE
+
+
+def _converter(kind: type):
+    return Path if kind == (Path | None) else _bool if kind is bool else kind
+
+
 def _parse(kind: type, raw: str, origin: str):
-    target = Path if kind == (Path | None) else kind
+    target = _converter(kind)
     try:
         return target(raw)
     except ValueError as exc:
-        raise SystemExit(f"{origin}: cannot read {raw!r} as {target.__name__}") from exc
+        what = "true or false" if target is _bool else target.__name__
+        raise SystemExit(f"{origin}: cannot read {raw!r} as {what}") from exc
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, kind: type[FlagSettings] = Settings) -> None:
@@ -132,7 +150,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, kind: type[FlagSettings]
             "--" + f.name.replace("_", "-"),
             *f.metadata.get("aliases", ()),
             dest=f.name,
-            type=Path if flag_type == (Path | None) else flag_type,
+            type=_converter(flag_type),
             choices=f.metadata.get("choices"),
             default=None,
             help=f"{f.metadata['help']} (env {kind.env_prefix}{f.name.upper()}, default {f.default})",

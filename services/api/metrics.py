@@ -57,6 +57,9 @@ class _EngineCollector(Collector):
         stats, cache = scheduler.stats, engine.cache_stats.snapshot()
         yield GaugeMetricFamily("kvshare_requests_running", "Sequences holding a slot.", value=scheduler.running)
         yield GaugeMetricFamily("kvshare_requests_queued", "Admitted requests waiting for a slot.", value=scheduler.queued)
+        yield GaugeMetricFamily("kvshare_requests_in_flight",
+                                "Requests holding or waiting for a slot (running + queued): the autoscaling signal.",
+                                value=scheduler.running + scheduler.queued)
         yield GaugeMetricFamily("kvshare_slots", "Slots (the decode batch's most rows).", value=engine.slots.max_batch)
         yield CounterMetricFamily("kvshare_requests_rejected", "Requests refused at the door (RESOURCE_EXHAUSTED).",
                                   value=stats.rejected)

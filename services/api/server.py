@@ -142,6 +142,25 @@ def load_engine(settings: Settings) -> Engine:
     return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads)
 
 
+def _health_server(health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:
+    """A server holding only the health service: the plaintext port that Kubernetes' gRPC probes
+    (which speak no TLS) can reach while the API port speaks TLS. It says SERVING or NOT_SERVING and
+    nothing else, the same answers as the API port's own health service."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    return server
+
+
+def _listen(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,
+            flag: str) -> int:
+    try:
+        address = f"{host}:{port}"
+        return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError as exc:  # gRPC's only signal that the bind failed
+        raise StartupError(f"cannot listen on {host}:{port}: the address is in use or not available here; pick "
+                           f"another {flag} (0 picks a free one)") from exc
+
+
 async def serve(settings: Settings) -> None:
     """Serves until SIGTERM or SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while
     still accepting calls, and stops, giving in-flight streams ``drain_s`` seconds to finish."""
@@ -160,16 +179,18 @@ async def serve(settings: Settings) -> None:
     add_generator_to_server(GeneratorServicer(engine, keys), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
-    )
+    if settings.reflection:
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
+        )
+    health_server = _health_server(health_servicer) if settings.health_port else None
     try:
-        address = f"{settings.host}:{settings.port}"
-        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    except RuntimeError as exc:  # gRPC's only signal that the bind failed
+        port = _listen(server, settings.host, settings.port, credentials, "--port")
+        if health_server is not None:
+            _listen(health_server, settings.host, settings.health_port, None, "--health-port")
+    except StartupError:
         engine.close()
-        raise StartupError(f"cannot listen on {settings.host}:{settings.port}: the address is in use or not "
-                           "available here; pick another --port (0 picks a free one)") from exc
+        raise
     if settings.metrics_port:
         try:
             WorkerMetrics(engine).serve(settings.host, settings.metrics_port)
@@ -178,8 +199,12 @@ async def serve(settings: Settings) -> None:
             raise StartupError(f"cannot serve metrics on {settings.host}:{settings.metrics_port}: {exc.strerror}") from exc
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    if health_server is not None:
+        log.info("health (grpc.health.v1 only, plaintext) on %s:%d", settings.host, settings.health_port)
     # Tests and scripts read this line to learn the port when --port 0 was given.
     print(f"kvshare listening on {settings.host}:{port}", flush=True)
     log.info("serving %s (%s) on %s:%d (%s%s)", engine.spec.name, engine.session.execution_provider, settings.host, port,
@@ -187,6 +212,8 @@ async def serve(settings: Settings) -> None:
              ", API keys required" if keys else "")
 
     await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s)
+    if health_server is not None:
+        await health_server.stop(None)
     await engine.wait_for_publishes()
     engine.close()
     log.info("stopped")
