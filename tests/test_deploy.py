@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -20,6 +21,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from urllib.request import urlopen
@@ -42,12 +44,12 @@ RELEASE, NAMESPACE = "kvshare", "inference"
 OLDEST_KUBERNETES = "1.29.0"
 
 # Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*, metrics.*,
-# security.*), and file settings it does not offer yet: gRPC TLS (kubelet's gRPC probes speak no
-# TLS) and Redis client certificates; the Redis password comes from redis.auth.
+# security.*, tls.*), and file settings it does not offer: Redis client certificates (the Redis CA
+# goes in the URL, the password comes from redis.auth).
 CHART_MANAGED_SETTINGS = {"model", "host", "port", "cache_url", "metrics_port", "cache_signing_key_file",
-                          "cache_namespace_secret_file", "api_keys_file"}
-CHART_UNOFFERED_SETTINGS = {"tls_cert_file", "tls_key_file", "tls_client_ca_file", "cache_tls_ca_file",
-                            "cache_tls_cert_file", "cache_tls_key_file", "cache_password_file"}
+                          "cache_namespace_secret_file", "api_keys_file", "tls_cert_file", "tls_key_file",
+                          "tls_client_ca_file", "health_port"}
+CHART_UNOFFERED_SETTINGS = {"cache_tls_ca_file", "cache_tls_cert_file", "cache_tls_key_file", "cache_password_file"}
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,7 @@ class ValueSet:
 
 
 EXTERNAL_URL = "rediss://redis.example.com:6380/0"
+DIGEST = "sha256:" + "0123456789abcdef" * 4
 VALUE_SETS: dict[str, ValueSet] = {
     "defaults": ValueSet({}),
     "gpu": ValueSet({"gpu": {"enabled": True, "runtimeClassName": "nvidia",
@@ -68,17 +71,25 @@ VALUE_SETS: dict[str, ValueSet] = {
         "auth": {"existingSecret": "kvshare-redis", "existingSecretPasswordKey": "password"},
         "tls": {"existingCASecret": "kvshare-redis-ca"},
     }}),
+    # A plaintext cluster without a password must be asked for in so many words.
     "builtin-redis-off": ValueSet({"redis": {
         "builtIn": {"enabled": False}, "url": "redis+cluster://redis-cluster.cache.svc:6379", "tiered": True,
+        "auth": {"enabled": False}, "tls": {"enabled": False},
     }}),
+    "builtin-redis-plain": ValueSet({"redis": {"auth": {"enabled": False}, "tls": {"enabled": False}}}),
     "builtin-redis-on": ValueSet({"redis": {
-        "builtIn": {"enabled": True, "persistence": {"enabled": True, "storageClassName": "fast"}},
+        "builtIn": {"enabled": True, "persistence": {"enabled": True, "storageClassName": "fast"},
+                    "resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "2Gi"}}},
         "auth": {"existingSecret": "kvshare-redis"},
     }}),
     "security": ValueSet({"security": {"signingKeys": {"existingSecret": "kvshare-signing"},
                                        "namespaceSecret": {"existingSecret": "kvshare-namespace", "key": "secret"},
                                        "apiKeys": {"existingSecret": "kvshare-api-keys"}}}),
     "autoscaling": ValueSet({"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8}}),
+    "autoscaling-keda": ValueSet({"autoscaling": {"enabled": True, "provider": "keda"}, "gpu": {"enabled": True}}),
+    "grpc-tls": ValueSet({"tls": {"existingSecret": "kvshare-grpc-tls", "clientAuth": True},
+                          "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}}),
+    "digests": ValueSet({"image": {"digest": DIGEST}, "gpu": {"enabled": True}}),
     "monitoring": ValueSet({"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
                                         "grafanaDashboard": {"enabled": True}}}),
     "metrics-off": ValueSet({"metrics": {"enabled": False, "podMonitor": {"enabled": True},
@@ -199,23 +210,29 @@ def test_helm_lint_strict(helm, name):
 
 
 def test_every_value_set_renders_the_expected_resources(rendered):
-    # The workers' NetworkPolicy fences their metrics port.
+    # The workers' NetworkPolicy fences their gRPC and metrics ports.
     common = ["ConfigMap", "Deployment", "Service", "Service", "ServiceAccount", "PodDisruptionBudget", "NetworkPolicy"]
-    builtin_redis = ["StatefulSet", "Service", "NetworkPolicy"]
+    # Service and headless Service, PDB, fence; the generated password and certificate Secrets.
+    plain_redis = ["StatefulSet", "Service", "Service", "PodDisruptionBudget", "NetworkPolicy"]
+    builtin_redis = plain_redis + ["Secret", "Secret"]
     expected = {
         "defaults": common + builtin_redis,
         "gpu": common + builtin_redis,
         "external-redis-secret": common,
         "builtin-redis-off": common,
-        "builtin-redis-on": common + builtin_redis,
+        "builtin-redis-plain": common + plain_redis,
+        "builtin-redis-on": common + plain_redis + ["Secret"],
         "security": common + builtin_redis,
         "autoscaling": common + builtin_redis + ["HorizontalPodAutoscaler"],
+        "autoscaling-keda": common + builtin_redis + ["ScaledObject"],
+        "grpc-tls": common + builtin_redis,
+        "digests": common + builtin_redis,
         "monitoring": common + builtin_redis + ["PodMonitor", "ConfigMap"],
-        "metrics-off": [k for k in common if k != "NetworkPolicy"] + builtin_redis,
+        "metrics-off": common + builtin_redis,
         "model-pvc": common + builtin_redis,
         "model-baked": common + builtin_redis,
         "model-image": common + builtin_redis,
-        "router": common + builtin_redis + ["Deployment", "Service"],
+        "router": common + builtin_redis + ["Deployment", "Service", "NetworkPolicy"],
     }
     assert expected.keys() == VALUE_SETS.keys()
     for name, docs in rendered.items():
@@ -230,9 +247,10 @@ def test_manifests_pass_kubernetes_validate_strict(rendered, tmp_path):
         versions = tuple(_kube_version(v) for v in VALUE_SETS[name].kube_versions)
         bucket = by_versions.setdefault(versions, {})
         for doc in docs:
-            # The Prometheus Operator's CRDs are not Kubernetes' own: their documents are checked
-            # by test_pod_monitor_scrapes_the_worker_metrics_port instead.
-            if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            # The Prometheus Operator's and KEDA's CRDs are not Kubernetes' own: their documents are
+            # checked by test_pod_monitor_scrapes_the_worker_metrics_port and
+            # test_autoscaling_scales_on_streams_in_flight instead.
+            if not doc["apiVersion"].startswith(("monitoring.coreos.com/", "keda.sh/")):
                 bucket.setdefault(yaml.safe_dump(doc, sort_keys=True), doc)
     for i, (versions, docs) in enumerate(by_versions.items()):
         path = tmp_path / f"manifests-{i}.yaml"
@@ -267,8 +285,10 @@ def test_image_model_source_needs_kubernetes_1_31(helm):
 
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_probes_are_native_grpc_health_checks(rendered, name):
+    """On the gRPC port, or with gRPC TLS on the plaintext health-only port (the kubelet's gRPC
+    probes speak no TLS)."""
     container = worker_container(rendered[name])
-    port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
+    port = next(p["containerPort"] for p in container["ports"] if p["name"] == ("health" if name == "grpc-tls" else "grpc"))
     services = {}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         spec = container[probe]
@@ -326,8 +346,8 @@ def test_network_policy_admits_only_scrapers_to_the_metrics_port(rendered):
     worker_labels = find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert selects(policy["podSelector"]["matchLabels"], worker_labels) and policy["policyTypes"] == ["Ingress"]
     grpc_rule, metrics_rule = policy["ingress"]
-    # gRPC: every client (no `from`); metrics: only pods labelled as Prometheus.
-    assert grpc_rule == {"ports": [{"protocol": "TCP", "port": _container_port(docs, "grpc")}]}
+    # gRPC: the pods of the release's namespace by default; metrics: only pods labelled as Prometheus.
+    assert grpc_rule == {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": _container_port(docs, "grpc")}]}
     assert metrics_rule["ports"] == [{"protocol": "TCP", "port": _container_port(docs, "metrics")}]
     [peer] = metrics_rule["from"]
     assert peer["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
@@ -338,7 +358,24 @@ def test_no_scrapers_closes_the_metrics_port_instead_of_opening_it(helm):
     for scrapers in ("[]", "null"):
         docs = helm.render({}, "--set-json", f"metrics.scrapers={scrapers}")
         policy = find(docs, "NetworkPolicy", "kvshare-workers")["spec"]
-        assert policy["ingress"] == [{"ports": [{"protocol": "TCP", "port": _container_port(docs, "grpc")}]}], scrapers
+        assert policy["ingress"] == [{"from": [{"podSelector": {}}],
+                                      "ports": [{"protocol": "TCP", "port": _container_port(docs, "grpc")}]}], scrapers
+
+
+def test_worker_network_policy_admits_the_listed_clients_and_the_router_only(helm, rendered):
+    policy = find(rendered["grpc-tls"], "NetworkPolicy", "kvshare-workers")["spec"]
+    assert policy["ingress"][0]["from"] == [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+    docs = rendered["router"]
+    router_labels = find(docs, "Deployment", "kvshare-router")["spec"]["template"]["metadata"]["labels"]
+    grpc_rule = find(docs, "NetworkPolicy", "kvshare-workers")["spec"]["ingress"][0]
+    assert any(selects(peer.get("podSelector", {}).get("matchLabels", {"-": "-"}), router_labels)
+               for peer in grpc_rule["from"])
+    router_policy = find(docs, "NetworkPolicy", "kvshare-router")["spec"]
+    assert selects(router_policy["podSelector"]["matchLabels"], router_labels)
+    assert router_policy["ingress"] == [{"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": 50051}]}]
+    # No clients listed: the gRPC port admits nobody (a NetworkPolicy with no matching rule).
+    closed = helm.render({"metrics": {"enabled": False}}, "--set-json", "networkPolicy.clients=[]")
+    assert not find(closed, "NetworkPolicy", "kvshare-workers")["spec"].get("ingress")
 
 
 def test_pod_monitor_scrapes_the_worker_metrics_port(rendered):
@@ -380,19 +417,24 @@ def _selector_names(node) -> set[str]:
     return set().union(*(_selector_names(c) for c in children if c is not None))
 
 
-@pytest.mark.subprocess
-def test_dashboard_queries_parse_and_name_metrics_a_worker_serves(tiny_model, redis_url):
-    import promql_parser
+@pytest.fixture(scope="module")
+def served_metrics(tiny_model, redis_server) -> set[str]:
+    """The sample names a real worker serves on /metrics (counters with _total, histograms' series)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from services.local.redis_process import free_port
     from services.local.worker_process import WorkerProcess
 
     port = free_port()
-    with WorkerProcess(tiny_model, "--metrics-port", str(port), "--cache", redis_url):
+    with WorkerProcess(tiny_model, "--metrics-port", str(port), "--cache", redis_server.url):
         text = urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"], "gauge": [""]}
-    served = {f.name + suffix for f in text_string_to_metric_families(text) for suffix in suffixes.get(f.type, [""])}
+    return {f.name + suffix for f in text_string_to_metric_families(text) for suffix in suffixes.get(f.type, [""])}
+
+
+@pytest.mark.subprocess
+def test_dashboard_queries_parse_and_name_metrics_a_worker_serves(served_metrics):
+    import promql_parser
 
     dashboard = json.loads(DASHBOARD.read_text())
     variables = {v["name"] for v in dashboard["templating"]["list"]}
@@ -409,22 +451,125 @@ def test_dashboard_queries_parse_and_name_metrics_a_worker_serves(tiny_model, re
             # Grafana substitutes its variables before Prometheus sees the query.
             expr = target["expr"].replace("$__rate_interval", "5m")
             used |= _selector_names(promql_parser.parse(expr))
-    assert used and used <= served, f"not served by a worker: {sorted(used - served)}"
+    assert used and used <= served_metrics, f"not served by a worker: {sorted(used - served_metrics)}"
 
 
 def test_redis_builtin_is_an_lru_cache_without_persistence(rendered):
-    redis = find(rendered["defaults"], "StatefulSet")["spec"]
+    docs = rendered["defaults"]
+    redis = find(docs, "StatefulSet")["spec"]
     script = redis["template"]["spec"]["containers"][0]["args"][0]
-    for option in ("--maxmemory 1gb", "--maxmemory-policy allkeys-lru", '--save ""', "--appendonly no"):
+    for option in ("--maxmemory 1gb", "--maxmemory-policy allkeys-lru", '--save ""', "--appendonly no",
+                   "--lazyfree-lazy-eviction yes", "--lazyfree-lazy-expire yes"):
         assert option in script
     assert "volumeClaimTemplates" not in redis
-    assert worker_container(rendered["defaults"])["env"] == [
+    # The StatefulSet's governing Service is headless; a PDB keeps drains from emptying the cache.
+    governing = find(docs, "Service", redis["serviceName"])["spec"]
+    assert governing["clusterIP"] == "None" and selects(governing["selector"], redis["template"]["metadata"]["labels"])
+    pdb = find(docs, "PodDisruptionBudget", "kvshare-redis")["spec"]
+    assert pdb["maxUnavailable"] == 0 and selects(pdb["selector"]["matchLabels"], redis["template"]["metadata"]["labels"])
+    assert worker_container(rendered["builtin-redis-plain"])["env"] == [
         {"name": "KVSHARE_CACHE_URL", "value": "redis://kvshare-redis:6379/0"}]
 
     persistent = find(rendered["builtin-redis-on"], "StatefulSet")["spec"]
     assert "--appendonly yes" in persistent["template"]["spec"]["containers"][0]["args"][0]
     [claim] = persistent["volumeClaimTemplates"]
     assert claim["spec"]["storageClassName"] == "fast"
+
+
+def test_default_redis_requires_a_generated_password_and_speaks_tls(rendered):
+    """The default render: Redis requires a password from a Secret, the workers read the same
+    Secret, and both ends speak TLS with the chart's CA."""
+    docs = rendered["defaults"]
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    password = base64.b64decode(secrets["kvshare-redis-auth"]["data"]["redis-password"])
+    assert len(password) >= 32 and re.fullmatch(rb"[A-Za-z0-9+/=]+", password)
+    redis = find(docs, "StatefulSet")["spec"]["template"]["spec"]
+    container = redis["containers"][0]
+    secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
+    assert secret_env == {n: {"name": "kvshare-redis-auth", "key": "redis-password"} for n in ("REDIS_PASSWORD", "REDISCLI_AUTH")}
+    script = container["args"][0]
+    assert "requirepass" in script and "--port 0 --tls-port 6379" in script and "--tls-auth-clients no" in script
+    tls = secrets["kvshare-redis-tls"]
+    assert tls["type"] == "kubernetes.io/tls" and set(tls["data"]) == {"ca.crt", "tls.crt", "tls.key"}
+    assert next(v for v in redis["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "kvshare-redis-tls"
+    env = worker_container(docs)["env"]
+    assert [e["name"] for e in env] == ["REDIS_PASSWORD", "KVSHARE_CACHE_URL"]
+    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "kvshare-redis-auth", "key": "redis-password"}
+    assert env[1]["value"] == "rediss://:$(REDIS_PASSWORD)@kvshare-redis:6379/0?ssl_ca_certs=/etc/kvshare/redis-ca/ca.crt"
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    ca = next(v for v in pod["volumes"] if v["name"] == "redis-ca")["secret"]
+    assert ca == {"secretName": "kvshare-redis-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
+    # The certificate names the Service the workers dial, and the CA signed it.
+    from cryptography import x509
+    cert = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["tls.crt"]))
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+    assert {"kvshare-redis", f"kvshare-redis.{NAMESPACE}.svc"} <= set(names)
+    ca_cert = x509.load_pem_x509_certificate(base64.b64decode(tls["data"]["ca.crt"]))
+    assert cert.issuer == ca_cert.subject
+
+
+@pytest.mark.subprocess
+def test_the_rendered_redis_command_serves_tls_with_the_password_and_the_workers_use_it(rendered, tiny_model, tmp_path):
+    """The built-in Redis's rendered shell command, run with a real redis-server (paths and port
+    moved to this machine): plaintext and password-less clients are refused, the readiness probe's
+    redis-cli passes, and a worker given the rendered cache URL publishes into it."""
+    import redis as redis_py
+
+    from kvshare.v1 import generator_pb2 as pb
+    from kvshare.v1 import generator_pb2_grpc as pb_grpc
+    from services.local.redis_process import (
+        free_port,
+        redis_binary,
+        stored_values,
+        supports_tls,
+    )
+    from services.local.worker_process import WorkerProcess
+
+    if not supports_tls():
+        pytest.skip("the redis-server found was built without TLS (scripts/test.sh installs the system's, which has it)")
+    docs = rendered["defaults"]
+    secrets = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "Secret"}
+    password = base64.b64decode(secrets["kvshare-redis-auth"]["redis-password"]).decode()
+    for name, b64 in secrets["kvshare-redis-tls"].items():
+        (tmp_path / name).write_bytes(base64.b64decode(b64))
+    container = find(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    port = free_port()
+    here = {"/tls/": f"{tmp_path}/", "redis-server": redis_binary(), "redis-cli": redis_binary("redis-cli"),
+            "6379": str(port)}
+
+    def localised(text: str) -> str:
+        for old, new in here.items():
+            text = text.replace(old, new)
+        return text
+
+    env = {**os.environ, "REDIS_PASSWORD": password, "REDISCLI_AUTH": password}
+    server = subprocess.Popen(["sh", "-c", localised(container["args"][0])], env=env, cwd=tmp_path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        probe = localised(container["readinessProbe"]["exec"]["command"][2])
+        deadline = time.monotonic() + 20
+        while subprocess.run(["sh", "-c", probe], env=env, capture_output=True).returncode != 0:
+            assert server.poll() is None and time.monotonic() < deadline, "the rendered Redis command did not become ready"
+            time.sleep(0.1)
+        url = worker_container(docs)["env"][1]["value"].replace("$(REDIS_PASSWORD)", password).replace(
+            "kvshare-redis:6379", f"localhost:{port}").replace("/etc/kvshare/redis-ca/", f"{tmp_path}/")
+        with pytest.raises(redis_py.ConnectionError):
+            redis_py.Redis(port=port, socket_timeout=2).ping()  # plaintext
+        with pytest.raises(redis_py.AuthenticationError):
+            redis_py.Redis.from_url(url.replace(f":{password}@", "")).ping()
+        with redis_py.Redis.from_url(url) as client:
+            assert client.config_get("lazyfree-lazy-eviction") == {"lazyfree-lazy-eviction": "yes"}
+            # As in the pod: the URL, password included, comes from the environment.
+            with WorkerProcess(tiny_model, env={"KVSHARE_CACHE_URL": url}) as worker, worker.channel() as channel:
+                request = pb.GenerateRequest(prompt_token_ids=list(range(3, 3 + 130)), max_new_tokens=2, ignore_eos=True)
+                assert list(pb_grpc.GeneratorStub(channel).Generate(request, timeout=60))
+                deadline = time.monotonic() + 20
+                while stored_values(client) < 2:  # the prompt's two full blocks, published off the token path
+                    assert time.monotonic() < deadline, "the worker published nothing into the rendered Redis"
+                    time.sleep(0.05)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
 
 
 def test_redis_password_comes_from_the_existing_secret(rendered):
@@ -436,7 +581,7 @@ def test_redis_password_comes_from_the_existing_secret(rendered):
     assert "requirepass" in redis["args"][0] and "--requirepass" not in redis["args"][0]
     env = worker_container(docs)["env"]
     assert [e["name"] for e in env] == ["REDIS_PASSWORD", "KVSHARE_CACHE_URL"]
-    assert env[1]["value"] == "redis://:$(REDIS_PASSWORD)@kvshare-redis:6379/0"
+    assert env[1]["value"] == "rediss://:$(REDIS_PASSWORD)@kvshare-redis:6379/0?ssl_ca_certs=/etc/kvshare/redis-ca/ca.crt"
 
 
 def test_external_redis_with_secret_and_tls(rendered):
@@ -459,6 +604,17 @@ def test_external_redis_with_secret_and_tls(rendered):
     assert env == [{"name": "KVSHARE_CACHE_URL", "value": "tiered+redis+cluster://redis-cluster.cache.svc:6379"}]
 
 
+@pytest.mark.parametrize(("redis", "message"), [
+    ({"url": "rediss://r:6380/0"}, "the external Redis's password must come from a Secret"),
+    ({"url": "redis://r:6379/0", "auth": {"existingSecret": "s"}}, "redis.url redis://r:6379/0 is plaintext"),
+    ({"url": "rediss://:hunter2@r:6380/0", "auth": {"existingSecret": "s"}}, "redis.url holds a password"),
+])
+def test_an_external_redis_is_held_to_the_same_fence(helm, redis, message):
+    """What the built-in Redis does by default, an external one must be given, or turned off by name."""
+    result = helm.template({"redis": {"builtIn": {"enabled": False}, **redis}})
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
 def test_security_secrets_are_mounted_read_only_and_named_by_their_variables(rendered):
     docs = rendered["security"]
     container = worker_container(docs)
@@ -478,12 +634,13 @@ def test_security_secrets_are_mounted_read_only_and_named_by_their_variables(ren
 @pytest.mark.parametrize(("url", "expected"), [
     ("redis://redis.cache:6379/0", "redis://:$(REDIS_PASSWORD)@redis.cache:6379/0"),
     ("rediss://default@redis.cache:6380", "rediss://default:$(REDIS_PASSWORD)@redis.cache:6380"),
-    ("redis+cluster://user:old@c:6379", "redis+cluster://user:$(REDIS_PASSWORD)@c:6379"),
+    ("redis+cluster://user@c:6379", "redis+cluster://user:$(REDIS_PASSWORD)@c:6379"),
     ("unix:///run/redis/redis.sock", "unix://:$(REDIS_PASSWORD)@/run/redis/redis.sock"),
     ("tiered+redis://r:6379/1", "tiered+redis://:$(REDIS_PASSWORD)@r:6379/1"),
 ])
 def test_password_is_spliced_into_every_url_form(helm, url, expected):
-    docs = helm.render({"redis": {"builtIn": {"enabled": False}, "url": url, "auth": {"existingSecret": "s"}}})
+    docs = helm.render({"redis": {"builtIn": {"enabled": False}, "url": url, "auth": {"existingSecret": "s"},
+                                  "tls": {"enabled": url.startswith(("rediss", "unix"))}}})
     assert worker_container(docs)["env"][-1] == {"name": "KVSHARE_CACHE_URL", "value": expected}
 
 
@@ -493,7 +650,7 @@ def test_checksum_annotation_follows_the_config(helm, rendered):
 
     base = checksum(rendered["defaults"])
     assert len(base) == 64
-    assert checksum(helm.render({"config": {"drain_s": 30}})) != base
+    assert checksum(helm.render({"config": {"drain_s": 300}})) != base
     assert checksum(helm.render({"config": {"log_level": "DEBUG"}})) != base
     # A change outside the ConfigMap leaves it alone (the Deployment changes by itself).
     assert checksum(helm.render({"replicaCount": 5})) == base
@@ -501,8 +658,9 @@ def test_checksum_annotation_follows_the_config(helm, rendered):
 
 def test_configmap_round_trips_through_the_worker_settings(helm):
     """The ConfigMap plus the pod's env, read by services/api/config.py as `kvshare serve` would."""
-    values = {"config": {"cache_memory_bytes": 536870912, "cache_op_timeout_ms": 250.5, "drain_s": 25,
-                         "breaker_failures": 5, "execution_provider": "cpu"}}
+    values = {"config": {"cache_memory_bytes": 536870912, "cache_op_timeout_ms": 250.5, "drain_s": 250,
+                         "breaker_failures": 5, "execution_provider": "cpu"},
+              "redis": {"auth": {"enabled": False}, "tls": {"enabled": False}}}
     docs = helm.render(values)
     environ = dict(find(docs, "ConfigMap")["data"])
     environ.update({e["name"]: e["value"] for e in worker_container(docs)["env"]})
@@ -512,8 +670,9 @@ def test_configmap_round_trips_through_the_worker_settings(helm):
     assert settings.cache_url == "redis://kvshare-redis:6379/0"
     # Whole numbers stay integers (Helm reads them as float64, which print as 5.36870912e+08).
     assert environ["KVSHARE_CACHE_MEMORY_BYTES"] == "536870912"
-    assert (settings.cache_memory_bytes, settings.cache_op_timeout_ms, settings.drain_s) == (536870912, 250.5, 25.0)
+    assert (settings.cache_memory_bytes, settings.cache_op_timeout_ms, settings.drain_s) == (536870912, 250.5, 250.0)
     assert (settings.breaker_failures, settings.execution_provider) == (5, "cpu")
+    assert (settings.reflection, settings.intra_op_threads, settings.health_port) == (False, 1, 0)
     assert all(k.startswith(ENV_PREFIX) for k in environ)
 
 
@@ -554,12 +713,18 @@ def test_schema_rejects_wrong_values(helm, args, path, reason):
 
 @pytest.mark.parametrize(("values", "message"), [
     ({"redis": {"url": "redis://elsewhere:6379"}}, "redis.url is set while redis.builtIn.enabled is true"),
-    ({"config": {"drain_s": 60}, "lifecycle": {"terminationGracePeriodSeconds": 40}},
-     "lifecycle.terminationGracePeriodSeconds=40 is shorter than"),
+    ({"config": {"drain_s": 200}, "lifecycle": {"terminationGracePeriodSeconds": 150}},
+     "lifecycle.terminationGracePeriodSeconds=150 is shorter than"),
+    ({"config": {"drain_s": 20}}, "config.drain_s=20 is shorter than the longest stream: max_new_tokens_cap 4096 tokens"),
+    ({"probes": {"liveness": {"failureThreshold": 3}}}, "probes.liveness: periodSeconds x failureThreshold = 30 s"),
+    ({"router": {"enabled": True}, "tls": {"existingSecret": "t"}}, "the router dials the workers in plaintext"),
+    ({"redis": {"builtIn": {"persistence": {"enabled": True}}}},
+     "redis.builtIn.resources.limits.memory 1536Mi must be at least twice redis.builtIn.maxmemory 1gb"),
+    ({"redis": {"builtIn": {"maxmemory": "2gb"}}}, "redis.builtIn.resources.limits.memory 1536Mi must be above"),
     ({"redis": {"builtIn": {"enabled": False}, "url": "redis://r:6379", "tls": {"existingCASecret": "ca"}}},
      "redis.tls.existingCASecret needs a TLS URL"),
     ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}},
-     "autoscaling.enabled targets CPU utilisation, which needs resources.requests.cpu"),
+     "autoscaling.cpuFallback targets CPU utilisation, which needs resources.requests.cpu"),
 ])
 def test_template_refuses_inconsistent_values(helm, values, message):
     result = helm.template(values)
@@ -575,10 +740,72 @@ def test_shutdown_fits_in_the_grace_period(helm, rendered):
     assert pre_stop[0] == "sleep"
     needed = int(pre_stop[1]) + float(data["KVSHARE_NOT_SERVING_S"]) + float(data["KVSHARE_DRAIN_S"])
     assert pod["terminationGracePeriodSeconds"] > needed
-    longer = helm.render({"config": {"drain_s": 90}})
-    assert find(longer, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] > 90 + 2 + 5
-    strategy = find(docs, "Deployment")["spec"]["strategy"]["rollingUpdate"]
-    assert strategy["maxUnavailable"] == 0
+    # The drain lets the longest stream finish at the slowest rate it is sized for (4096 / 32 tokens/s).
+    assert float(data["KVSHARE_DRAIN_S"]) == 128
+    liveness = pod["containers"][0]["livenessProbe"]
+    assert liveness["periodSeconds"] * liveness["failureThreshold"] > float(data["KVSHARE_NOT_SERVING_S"]) + 128
+    assert liveness["terminationGracePeriodSeconds"] < pod["terminationGracePeriodSeconds"]
+    longer = helm.render({"config": {"drain_s": 300}})
+    longer_pod = find(longer, "Deployment")["spec"]["template"]["spec"]
+    assert longer_pod["terminationGracePeriodSeconds"] > 300 + 2 + 5
+    probe = longer_pod["containers"][0]["livenessProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] > 300 + 2
+    sized = helm.render({"config": {"max_new_tokens_cap": 1024}, "lifecycle": {"drainTokensPerSecond": 8}})
+    assert find(sized, "ConfigMap")["data"]["KVSHARE_DRAIN_S"] == "128"
+
+
+def test_rollouts_surge_on_cpu_and_replace_one_at_a_time_on_gpu(helm, rendered):
+    def strategy(docs):
+        return find(docs, "Deployment")["spec"]["strategy"]["rollingUpdate"]
+
+    assert strategy(rendered["defaults"]) == {"maxSurge": "25%", "maxUnavailable": 0}
+    assert strategy(rendered["gpu"]) == {"maxSurge": 0, "maxUnavailable": 1}
+    assert strategy(helm.render({"gpu": {"enabled": True}, "rollout": {"maxSurge": 1, "maxUnavailable": 0}})) == {
+        "maxSurge": 1, "maxUnavailable": 0}
+    assert strategy(helm.render({"rollout": {"maxSurge": 0, "maxUnavailable": "50%"}})) == {
+        "maxSurge": 0, "maxUnavailable": "50%"}
+
+
+def test_workers_spread_over_zones_and_nodes(rendered):
+    docs = rendered["defaults"]
+    pod = find(docs, "Deployment")["spec"]["template"]
+    spread = pod["spec"]["topologySpreadConstraints"]
+    assert [c["topologyKey"] for c in spread] == ["topology.kubernetes.io/zone", "kubernetes.io/hostname"]
+    for constraint in spread:
+        assert constraint["whenUnsatisfiable"] == "ScheduleAnyway" and constraint["maxSkew"] == 1
+        assert selects(constraint["labelSelector"]["matchLabels"], pod["metadata"]["labels"])
+
+
+def test_onnx_runtime_threads_follow_the_cpu_request(helm, rendered):
+    assert find(rendered["defaults"], "ConfigMap")["data"]["KVSHARE_INTRA_OP_THREADS"] == "1"
+    for cpu, threads in (("2500m", "3"), ("4", "4"), ("250m", "1"), (2, "2")):
+        docs = helm.render({"resources": {"requests": {"cpu": cpu}}})
+        assert find(docs, "ConfigMap")["data"]["KVSHARE_INTRA_OP_THREADS"] == threads, cpu
+    docs = helm.render({"config": {"intra_op_threads": 6}})
+    assert find(docs, "ConfigMap")["data"]["KVSHARE_INTRA_OP_THREADS"] == "6"
+
+
+# The reference grammar of the distribution project (docker/reference): name[:tag][@digest].
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+IMAGE_REFERENCE = re.compile(
+    rf"^(?:[a-zA-Z0-9.-]+(?::[0-9]+)?/)?{_COMPONENT}(?:/{_COMPONENT})*(?::[\w][\w.-]{{0,127}})?(?:@sha256:[a-f0-9]{{64}})?$")
+
+
+def test_image_digests_pin_the_worker_on_cpu_and_gpu_and_redis(helm, rendered):
+    gpu = worker_container(rendered["digests"])["image"]
+    assert gpu == f"kvshare:0.1.0-gpu@{DIGEST}" and IMAGE_REFERENCE.match(gpu)
+    cpu_docs = helm.render({"image": {"digest": DIGEST}, "redis": {"builtIn": {"image": {"digest": DIGEST}}}})
+    pod = find(cpu_docs, "Deployment")["spec"]["template"]["spec"]
+    assert [c["image"] for c in pod["initContainers"] + pod["containers"]] == [f"kvshare:0.1.0@{DIGEST}"] * 2
+    redis = find(cpu_docs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert redis == f"redis:7.4.6-alpine@{DIGEST}"
+    for docs in rendered.values():
+        for workload in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
+            for container in workload["spec"]["template"]["spec"]["containers"]:
+                assert IMAGE_REFERENCE.match(container["image"]), container["image"]
+    # The built-in Redis is pinned by default; a tag alone when the digest is emptied.
+    assert "@sha256:" in find(rendered["defaults"], "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert not IMAGE_REFERENCE.match("kvshare:0.1.0@sha256:abc-gpu")
 
 
 def test_gpu_values(rendered):
@@ -598,16 +825,40 @@ def test_gpu_values(rendered):
     assert "tolerations" not in cpu and "nodeSelector" not in cpu and "runtimeClassName" not in cpu
 
 
+@pytest.mark.subprocess
+def test_autoscaling_scales_on_streams_in_flight(rendered, served_metrics):
+    """The first metric is a Pods metric (Prometheus Adapter) or, with KEDA, a Prometheus query (an
+    External metric) of a series the workers serve; CPU comes second, as the fallback."""
+    import promql_parser
+
+    hpa = find(rendered["autoscaling"], "HorizontalPodAutoscaler")["spec"]
+    load, fallback = hpa["metrics"]
+    assert load["type"] == "Pods" and load["pods"]["metric"]["name"] == "kvshare_requests_in_flight"
+    assert load["pods"]["target"] == {"type": "AverageValue", "averageValue": "8"}
+    assert fallback["type"] == "Resource" and fallback["resource"]["name"] == "cpu"
+    assert "kvshare_requests_in_flight" in served_metrics
+
+    scaled = find(rendered["autoscaling-keda"], "ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "kvshare"}
+    trigger = scaled["spec"]["triggers"][0]
+    assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+    assert _selector_names(promql_parser.parse(trigger["metadata"]["query"])) == {"kvshare_requests_in_flight"}
+    assert f'namespace="{NAMESPACE}"' in trigger["metadata"]["query"]
+    assert [t["type"] for t in scaled["spec"]["triggers"][1:]] == ["cpu"]
+    assert not [d for d in rendered["autoscaling-keda"] if d["kind"] == "HorizontalPodAutoscaler"]
+    assert "replicas" not in find(rendered["autoscaling-keda"], "Deployment")["spec"]
+
+
 def test_autoscaling_owns_the_replica_count(rendered):
     docs = rendered["autoscaling"]
     hpa = find(docs, "HorizontalPodAutoscaler")
     assert hpa["apiVersion"] == "autoscaling/v2"
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "kvshare"}
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 8)
-    assert hpa["spec"]["metrics"][0]["resource"]["name"] == "cpu"
     assert "replicas" not in find(docs, "Deployment")["spec"]
     assert find(rendered["defaults"], "Deployment")["spec"]["replicas"] == 2
-    pdb = find(docs, "PodDisruptionBudget")["spec"]
+    pdb = find(docs, "PodDisruptionBudget", "kvshare")["spec"]
     assert selects(pdb["selector"]["matchLabels"], find(docs, "Deployment")["spec"]["template"]["metadata"]["labels"])
 
 
@@ -675,7 +926,10 @@ def test_notes_tell_how_to_call_with_grpcurl(helm, tmp_path):
     result = helm.template({}, "--show-only", "templates/notes-under-test.yaml", chart=chart)
     assert result.returncode == 0, result.stderr
     text = yaml.safe_load(result.stdout)["data"]["notes"]
-    assert "grpcurl -plaintext localhost:50051 list" in text
+    # Reflection is off by default: grpcurl reads the API from the repository's proto/.
+    assert "grpcurl -plaintext -import-path proto -proto kvshare/v1/generator.proto localhost:50051 list" in text
+    assert (ROOT / "proto" / "kvshare" / "v1" / "generator.proto").exists()
+    assert "Only networkPolicy.clients may reach" in text
     assert "kvshare.v1.Generator/Generate" in text
     assert f"kubectl -n {NAMESPACE} port-forward service/kvshare 50051:50051" in text
     assert f"dns:///kvshare-headless.{NAMESPACE}.svc.cluster.local:50051" in text
@@ -779,6 +1033,10 @@ def test_compose_workers_share_redis_and_wait_for_it(compose_config):
         assert worker["healthcheck"]["test"] == ["CMD", "python", "/opt/kvshare/bin/kvshare-healthcheck.py"]
         assert worker["volumes"][0]["target"] == "/models" and worker["volumes"][0]["read_only"] is True
     assert {services[w]["ports"][0]["published"] for w in workers} == {"50051", "50052"}
+    # Only this machine reaches them: plaintext gRPC, no API keys.
+    assert {services[w]["ports"][0]["host_ip"] for w in workers} == {"127.0.0.1"}
+    # Nothing else is published (Redis is reached by the workers over compose's network only).
+    assert [name for name, service in services.items() if service.get("ports")] == workers
 
 
 def test_compose_redis_is_a_healthchecked_lru_cache(compose_config):

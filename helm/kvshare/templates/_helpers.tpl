@@ -83,13 +83,79 @@ app.kubernetes.io/component: redis
 {{- printf "%s-redis" (include "kvshare.fullname" .) -}}
 {{- end -}}
 
-{{/* The worker image: repository:tag, with gpu.imageTagSuffix when gpu.enabled. */}}
+{{/*
+The worker image: repository:tag, with gpu.imageTagSuffix when gpu.enabled, and @digest when
+image.digest is set (repository:tag@sha256:..., a valid reference whose digest decides).
+*/}}
 {{- define "kvshare.image" -}}
 {{- $tag := default .Chart.AppVersion .Values.image.tag -}}
 {{- if .Values.gpu.enabled -}}
 {{- $tag = printf "%s%s" $tag .Values.gpu.imageTagSuffix -}}
 {{- end -}}
-{{- printf "%s:%s" .Values.image.repository $tag -}}
+{{- include "kvshare.imageRef" (dict "repository" .Values.image.repository "tag" $tag "digest" .Values.image.digest) -}}
+{{- end -}}
+
+{{/* The built-in Redis image. */}}
+{{- define "kvshare.redisImage" -}}
+{{- include "kvshare.imageRef" .Values.redis.builtIn.image -}}
+{{- end -}}
+
+{{- define "kvshare.imageRef" -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- with .digest }}@{{ . }}{{ end -}}
+{{- end -}}
+
+{{/*
+Seconds a draining worker gives its streams: config.drain_s, or the time a stream of
+config.max_new_tokens_cap tokens takes at lifecycle.drainTokensPerSecond.
+*/}}
+{{- define "kvshare.drainSeconds" -}}
+{{- $c := .Values.config -}}
+{{- $needed := include "kvshare.streamSeconds" . | int -}}
+{{- if kindIs "invalid" $c.drain_s -}}
+{{- $needed -}}
+{{- else if lt (float64 $c.drain_s) (float64 $needed) -}}
+{{- fail (printf "config.drain_s=%v is shorter than the longest stream: max_new_tokens_cap %d tokens at lifecycle.drainTokensPerSecond %v take %d s, so rollouts and node drains would cut streams (raise drain_s, or leave it null to derive it)" $c.drain_s (int (default 4096 $c.max_new_tokens_cap)) .Values.lifecycle.drainTokensPerSecond $needed) -}}
+{{- else -}}
+{{- ceil $c.drain_s | int -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvshare.streamSeconds" -}}
+{{- ceil (divf (default 4096 .Values.config.max_new_tokens_cap) .Values.lifecycle.drainTokensPerSecond) | int -}}
+{{- end -}}
+
+{{/*
+failureThreshold of the liveness probe: the set one, or the smallest whose window
+(periodSeconds x failureThreshold) outlasts NOT_SERVING + drain; a set one that does not fails.
+*/}}
+{{- define "kvshare.livenessFailureThreshold" -}}
+{{- $p := .Values.probes.liveness -}}
+{{- $busy := add (ceil (default 2 .Values.config.not_serving_s) | int) (include "kvshare.drainSeconds" . | int) -}}
+{{- if kindIs "invalid" $p.failureThreshold -}}
+{{- add (div $busy (int $p.periodSeconds)) 1 -}}
+{{- else if le (mul (int $p.periodSeconds) (int $p.failureThreshold)) $busy -}}
+{{- fail (printf "probes.liveness: periodSeconds x failureThreshold = %d s is not above config.not_serving_s + drain = %d s: a draining worker reports NOT_SERVING and would be killed mid-drain (leave failureThreshold null to derive it)" (mul (int $p.periodSeconds) (int $p.failureThreshold)) $busy) -}}
+{{- else -}}
+{{- int $p.failureThreshold -}}
+{{- end -}}
+{{- end -}}
+
+{{/* ONNX Runtime threads: config.intra_op_threads, or resources.requests.cpu rounded up (at least 1). */}}
+{{- define "kvshare.intraOpThreads" -}}
+{{- $set := int .Values.config.intra_op_threads -}}
+{{- if gt $set 0 -}}
+{{- $set -}}
+{{- else -}}
+{{- $cpu := toString (dig "requests" "cpu" "1" .Values.resources) -}}
+{{- $cores := 1.0 -}}
+{{- if hasSuffix "m" $cpu -}}
+{{- $cores = divf (trimSuffix "m" $cpu | float64) 1000 -}}
+{{- else -}}
+{{- $cores = float64 $cpu -}}
+{{- end -}}
+{{- max 1 (ceil $cores | int) -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -116,12 +182,12 @@ redis.tls.existingCASecret, ssl_ca_certs points at the mounted CA file.
 {{- define "kvshare.cacheURL" -}}
 {{- $url := .Values.redis.url -}}
 {{- if .Values.redis.builtIn.enabled -}}
-{{- $url = printf "redis://%s:%d/0" (include "kvshare.redisName" .) (int .Values.redis.builtIn.port) -}}
+{{- $url = printf "%s://%s:%d/0" (ternary "rediss" "redis" .Values.redis.tls.enabled) (include "kvshare.redisName" .) (int .Values.redis.builtIn.port) -}}
 {{- end -}}
 {{- if and .Values.redis.tiered (not (hasPrefix "tiered+" $url)) -}}
 {{- $url = printf "tiered+%s" $url -}}
 {{- end -}}
-{{- if .Values.redis.auth.existingSecret -}}
+{{- if include "kvshare.redisPasswordSecret" . -}}
 {{- $parts := splitn "://" 2 $url -}}
 {{- $rest := $parts._1 -}}
 {{- if regexMatch "^[^/@]*@" $rest -}}
@@ -131,10 +197,40 @@ redis.tls.existingCASecret, ssl_ca_certs points at the mounted CA file.
 {{- end -}}
 {{- $url = printf "%s://%s" $parts._0 $rest -}}
 {{- end -}}
-{{- if .Values.redis.tls.existingCASecret -}}
-{{- $url = printf "%s%sssl_ca_certs=%s/%s" $url (ternary "&" "?" (contains "?" $url)) (include "kvshare.redisCADir" .) .Values.redis.tls.caKey -}}
+{{- with include "kvshare.redisCASecret" . | fromYaml -}}
+{{- $url = printf "%s%sssl_ca_certs=%s/%s" $url (ternary "&" "?" (contains "?" $url)) (include "kvshare.redisCADir" $) .key -}}
 {{- end -}}
 {{- $url -}}
+{{- end -}}
+
+{{/*
+The Secret holding the Redis password (key: redis.auth.existingSecretPasswordKey), or "" for none:
+redis.auth.existingSecret, else for the built-in Redis the one the chart generates.
+*/}}
+{{- define "kvshare.redisPasswordSecret" -}}
+{{- if .Values.redis.auth.enabled -}}
+{{- if .Values.redis.auth.existingSecret -}}
+{{- .Values.redis.auth.existingSecret -}}
+{{- else if .Values.redis.builtIn.enabled -}}
+{{- printf "%s-auth" (include "kvshare.redisName" .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The built-in Redis's certificate Secret (tls.crt, tls.key, ca.crt), or "" without TLS. */}}
+{{- define "kvshare.redisTLSSecret" -}}
+{{- if and .Values.redis.builtIn.enabled .Values.redis.tls.enabled -}}
+{{- default (printf "%s-tls" (include "kvshare.redisName" .)) .Values.redis.tls.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The CA the workers check Redis's certificate with, as YAML {name, key}; "" for the system's. */}}
+{{- define "kvshare.redisCASecret" -}}
+{{- if .Values.redis.tls.existingCASecret -}}
+{{- toYaml (dict "name" .Values.redis.tls.existingCASecret "key" .Values.redis.tls.caKey) -}}
+{{- else if include "kvshare.redisTLSSecret" . -}}
+{{- toYaml (dict "name" (include "kvshare.redisTLSSecret" .) "key" "ca.crt") -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "kvshare.redisCADir" -}}
@@ -147,7 +243,7 @@ plus a margin; terminationGracePeriodSeconds when set (checked to be no shorter)
 */}}
 {{- define "kvshare.minGraceSeconds" -}}
 {{- $c := .Values.config -}}
-{{- add (int .Values.lifecycle.preStopSleepSeconds) (ceil (default 2 $c.not_serving_s) | int) (ceil (default 20 $c.drain_s) | int) 5 -}}
+{{- add (int .Values.lifecycle.preStopSleepSeconds) (ceil (default 2 $c.not_serving_s) | int) (include "kvshare.drainSeconds" . | int) 5 -}}
 {{- end -}}
 
 {{- define "kvshare.graceSeconds" -}}
@@ -183,6 +279,32 @@ window and drain, plus a margin.
 {{- if and $r.tls.existingCASecret (not (contains "rediss" (include "kvshare.cacheURL" .))) -}}
 {{- fail "redis.tls.existingCASecret needs a TLS URL (rediss:// or rediss+cluster://)" -}}
 {{- end -}}
+{{- if regexMatch "://[^/@]*:[^/@]*@" $r.url -}}
+{{- fail "redis.url holds a password, which would sit in the release's values and the pod spec: put it in a Secret and name it in redis.auth.existingSecret" -}}
+{{- end -}}
+{{- if not $r.builtIn.enabled -}}
+{{- if and $r.auth.enabled (not $r.auth.existingSecret) -}}
+{{- fail "redis.auth.enabled: the external Redis's password must come from a Secret: set redis.auth.existingSecret (and existingSecretPasswordKey), or redis.auth.enabled=false for a Redis without a password, which anyone who reaches it can write" -}}
+{{- end -}}
+{{- if and $r.tls.enabled (not (regexMatch "^(tiered\\+)?(rediss|rediss\\+cluster|unix)://" $r.url)) -}}
+{{- fail (printf "redis.tls.enabled: redis.url %s is plaintext: use rediss:// (or rediss+cluster://), or set redis.tls.enabled=false to send K/V and the password in the clear" $r.url) -}}
+{{- end -}}
+{{- end -}}
+{{- if $r.builtIn.enabled -}}
+{{- $limit := dig "limits" "memory" "" $r.builtIn.resources -}}
+{{- if not $limit -}}
+{{- fail "redis.builtIn.resources.limits.memory is required: Redis must be bounded above redis.builtIn.maxmemory" -}}
+{{- end -}}
+{{- $max := include "kvshare.redisBytes" $r.builtIn.maxmemory | float64 -}}
+{{- $need := ternary (mulf $max 2) $max $r.builtIn.persistence.enabled -}}
+{{- $have := include "kvshare.quantityBytes" $limit | float64 -}}
+{{- if or (lt $have $need) (and (not $r.builtIn.persistence.enabled) (eq $have $need)) -}}
+{{- fail (printf "redis.builtIn.resources.limits.memory %v must be %s redis.builtIn.maxmemory %s%s" $limit (ternary "at least twice" "above" $r.builtIn.persistence.enabled) $r.builtIn.maxmemory (ternary ": with persistence, an AOF rewrite forks Redis and copied pages count twice" ": Redis needs room beyond the data it holds" $r.builtIn.persistence.enabled)) -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.router.enabled .Values.tls.existingSecret -}}
+{{- fail "router.enabled with tls.existingSecret: the router dials the workers in plaintext; turn one of them off" -}}
+{{- end -}}
 {{- $m := .Values.model -}}
 {{- if and (eq $m.source "pvc") (not $m.pvc.claimName) -}}
 {{- fail "model.source=pvc needs model.pvc.claimName" -}}
@@ -195,19 +317,46 @@ window and drain, plus a margin.
 {{- fail (printf "model.source=image needs Kubernetes 1.31+ (the ImageVolume feature); this cluster is %s (helm template: pass --kube-version)" .Capabilities.KubeVersion.Version) -}}
 {{- end -}}
 {{- end -}}
-{{- if and .Values.autoscaling.enabled (not (dig "requests" "cpu" "" .Values.resources)) -}}
-{{- fail "autoscaling.enabled targets CPU utilisation, which needs resources.requests.cpu" -}}
+{{- if and .Values.autoscaling.enabled .Values.autoscaling.cpuFallback.enabled (not (dig "requests" "cpu" "" .Values.resources)) -}}
+{{- fail "autoscaling.cpuFallback targets CPU utilisation, which needs resources.requests.cpu" -}}
 {{- end -}}
 {{- $_ := include "kvshare.graceSeconds" . -}}
+{{- $_ = include "kvshare.livenessFailureThreshold" . -}}
 {{- end -}}
 
-{{/* redis-server options of the built-in Redis (after --port). */}}
+{{/*
+redis-server options of the built-in Redis. Values are megabytes of K/V: freeing one on eviction
+or expiry in the main thread would stall every other client, so it is done lazily.
+*/}}
 {{- define "kvshare.redisArgs" -}}
 {{- $redis := .Values.redis.builtIn -}}
---maxmemory {{ $redis.maxmemory }} --maxmemory-policy {{ $redis.maxmemoryPolicy }}
+{{- if .Values.redis.tls.enabled -}}
+--port 0 --tls-port {{ $redis.port }} --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key --tls-ca-cert-file /tls/ca.crt --tls-auth-clients no
+{{- else -}}
+--port {{ $redis.port }}
+{{- end }} --maxmemory {{ $redis.maxmemory }} --maxmemory-policy {{ $redis.maxmemoryPolicy }}
+{{- ""}} --lazyfree-lazy-eviction yes --lazyfree-lazy-expire yes --lazyfree-lazy-server-del yes --lazyfree-lazy-user-del yes
 {{- if $redis.persistence.enabled }} --save "" --appendonly yes --dir /data
 {{- else }} --save "" --appendonly no
 {{- end }}
+{{- end -}}
+
+{{/* A Redis memory size (1gb, 512mb, 100k, 1024) in bytes, as Redis reads it (k = 1000, kb = 1024). */}}
+{{- define "kvshare.redisBytes" -}}
+{{- $m := regexFindAll "^([0-9]+)([a-zA-Z]*)$" (lower (toString .)) 1 | first | default "0" -}}
+{{- $n := regexReplaceAll "[a-z]+$" $m "" | float64 -}}
+{{- $unit := regexReplaceAll "^[0-9]+" $m "" -}}
+{{- $scale := get (dict "" 1.0 "b" 1.0 "k" 1e3 "kb" 1024.0 "m" 1e6 "mb" 1048576.0 "g" 1e9 "gb" 1073741824.0) $unit -}}
+{{- mulf $n $scale -}}
+{{- end -}}
+
+{{/* A Kubernetes memory quantity (1536Mi, 2Gi, 1G, 500M, 1073741824) in bytes. */}}
+{{- define "kvshare.quantityBytes" -}}
+{{- $q := toString . -}}
+{{- $n := regexFind "^[0-9.]+" $q | float64 -}}
+{{- $unit := regexReplaceAll "^[0-9.]+" $q "" -}}
+{{- $scale := get (dict "" 1.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0) $unit -}}
+{{- mulf $n $scale -}}
 {{- end -}}
 
 {{/*
@@ -224,4 +373,14 @@ environment variable that names the file and the folder it is mounted in.
 {{- end -}}
 {{- end -}}
 {{- toYaml $files -}}
+{{- end -}}
+
+{{/* The autoscaler's scale-down: every removed worker drains its streams, so not on a short lull. */}}
+{{- define "kvshare.scaleDownBehavior" -}}
+scaleDown:
+  stabilizationWindowSeconds: {{ .Values.autoscaling.scaleDownStabilizationSeconds }}
+  policies:
+    - type: Pods
+      value: 1
+      periodSeconds: 60
 {{- end -}}
