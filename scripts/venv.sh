@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv/ in the repository root (once) and installs kvshare with its test and local extras into it
+# Creates .venv/ in the repository root (once) and installs kvshare with its cpu, test and local extras into it
 # (again whenever pyproject.toml changes); makes sure a redis-server binary exists. Sourced by the other
 # scripts; prints the venv's python on stdout and what it is doing on stderr.
 set -euo pipefail
@@ -32,7 +32,7 @@ want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "kvshare: installing kvshare and its dependencies into $venv (about a minute the first time)" >&2
   "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-  "$venv/bin/python" -m pip install --quiet -e "$root[test,local]" >&2
+  "$venv/bin/python" -m pip install --quiet -e "$root[cpu,test,local]" >&2
   echo "$want" > "$stamp"
 fi
 

@@ -253,7 +253,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except ModuleNotFoundError as exc:
+        # Installed without the cpu or gpu extra: services/runtime/ort.py says which to install.
+        if exc.name != "onnxruntime":
+            raise
+        print(f"kvshare: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

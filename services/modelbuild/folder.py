@@ -194,6 +194,9 @@ def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32") -> 
 def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every MatMul with a weight initializer becomes MatMulNBits (8 bits, symmetric, blocks of 32,
     accuracy level 4: int8 activations on CPU). The tied head, a Transpose of the embedding, stays float."""
+    # Through services.runtime.ort first: without ONNX Runtime, its error names the extras to install.
+    from services.runtime.ort import onnxruntime  # noqa: F401
+    # isort: split
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")

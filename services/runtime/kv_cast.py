@@ -16,8 +16,9 @@ from __future__ import annotations
 import threading
 
 import numpy as np
-import onnxruntime as ort
 from onnx import TensorProto, helper
+
+from services.runtime.ort import onnxruntime as ort
 
 _F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
 _TENSOR_TYPES = {_F16: TensorProto.FLOAT16, _F32: TensorProto.FLOAT}

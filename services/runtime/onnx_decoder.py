@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import onnxruntime as ort
 
 from services.errors import ModelLoadError
 from services.runtime.kv_cast import cast_into, converted
 from services.runtime.kv_layout import KVLayout
 from services.runtime.model_spec import ModelSpec
+from services.runtime.ort import onnxruntime as ort
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import onnxruntime as ort
 
 from services.runtime.onnx_decoder import (
     DecoderSession,
@@ -42,6 +41,7 @@ from services.runtime.onnx_decoder import (
     aligned_zeros,
     blocks_into,
 )
+from services.runtime.ort import onnxruntime as ort
 
 
 @dataclass(slots=True, eq=False)
