@@ -979,6 +979,8 @@ def test_router_discovers_the_ready_workers_through_the_headless_service(rendere
     pod = router["spec"]
     pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
     assert pod["terminationGracePeriodSeconds"] > pre_stop + settings.not_serving_s + settings.drain_s
+    # The streams it forwards are the workers': it drains as long as they do.
+    assert settings.drain_s == float(find(docs, "ConfigMap", "kvshare")["data"]["KVSHARE_DRAIN_S"]) == 128
     assert "nodeSelector" not in pod and "tolerations" not in pod, "GPU placement is for workers only"
 
 

@@ -260,11 +260,12 @@ plus a margin; terminationGracePeriodSeconds when set (checked to be no shorter)
 
 {{/*
 The router's seconds between TERM and KILL: the workers' preStop sleep, then its own NOT_SERVING
-window and drain, plus a margin.
+window and drain (null: the workers' drain, since the streams it forwards are theirs), plus a margin.
 */}}
 {{- define "kvshare.routerGraceSeconds" -}}
 {{- $c := .Values.router.config -}}
-{{- add (int .Values.lifecycle.preStopSleepSeconds) (ceil (default 2 $c.not_serving_s) | int) (ceil (default 20 $c.drain_s) | int) 5 -}}
+{{- $drain := ternary (include "kvshare.drainSeconds" . | int) (ceil $c.drain_s | int) (kindIs "invalid" $c.drain_s) -}}
+{{- add (int .Values.lifecycle.preStopSleepSeconds) (ceil (default 2 $c.not_serving_s) | int) $drain 5 -}}
 {{- end -}}
 
 {{/* Combinations of values that the schema cannot express; each fails the render with a reason. */}}
