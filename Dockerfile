@@ -49,6 +49,7 @@ COPY --from=build /opt/kvshare /opt/kvshare
 ENV PATH=/opt/kvshare/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    ORT_DISABLE_TELEMETRY=1 \
     KVSHARE_HOST=0.0.0.0 \
     KVSHARE_PORT=50051 \
     KVSHARE_MODEL=/models/current

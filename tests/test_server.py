@@ -439,3 +439,14 @@ def test_grpcs_records_of_undecodable_metadata_never_show_the_value_and_cannot_f
     assert redact.filter(later) and "999 more" in later.getMessage() and "secret-key" not in later.getMessage()
     other = logging.LogRecord("grpc._cython.cygrpc", logging.ERROR, "x", 1, "something else", (), None)
     assert redact.filter(other) and other.levelno == logging.ERROR
+
+
+def test_no_kvshare_process_lets_onnx_runtime_phone_home():
+    """ONNX Runtime 1.29+ uploads telemetry from Linux from import on; importing kvshare opts out
+    first (services/__init__.py), unless the operator set ORT_DISABLE_TELEMETRY themselves."""
+    probe = "import services.runtime.ort, os; print(os.environ['ORT_DISABLE_TELEMETRY'])"
+    clean = {k: v for k, v in os.environ.items() if k != "ORT_DISABLE_TELEMETRY"}
+    for environ, expected in ((clean, "1"), ({**clean, "ORT_DISABLE_TELEMETRY": "0"}, "0")):
+        out = subprocess.run([sys.executable, "-c", probe], env=environ, capture_output=True, text=True, timeout=60,
+                             cwd=Path(__file__).resolve().parent.parent)
+        assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
