@@ -547,10 +547,11 @@ def test_the_rendered_redis_command_serves_tls_with_the_password_and_the_workers
     (tmp_path / "redis-password").write_text(password)
     here["/etc/kvshare/redis-auth/"] = f"{tmp_path}/"
     env = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
+    probe = localised(container["readinessProbe"]["exec"]["command"][2])
+    assert subprocess.run(["sh", "-c", probe], env=env, capture_output=True).returncode != 0, "ready with no Redis"
     server = subprocess.Popen(["sh", "-c", localised(container["args"][0])], env=env, cwd=tmp_path,
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
-        probe = localised(container["readinessProbe"]["exec"]["command"][2])
         deadline = time.monotonic() + 20
         while subprocess.run(["sh", "-c", probe], env=env, capture_output=True).returncode != 0:
             assert server.poll() is None and time.monotonic() < deadline, "the rendered Redis command did not become ready"
@@ -744,9 +745,14 @@ def test_schema_rejects_wrong_values(helm, args, path, reason):
     ({"redis": {"builtIn": {"persistence": {"enabled": True}}}},
      "redis.builtIn.resources.limits.memory 1536Mi must be at least twice redis.builtIn.maxmemory 1gb"),
     ({"redis": {"builtIn": {"maxmemory": "2gb"}}}, "redis.builtIn.resources.limits.memory 1536Mi must be above"),
+    ({"autoscaling": {"enabled": True}, "metrics": {"enabled": False}}, "autoscaling.enabled scales on the workers' kvshare_requests_in_flight"),
+    ({"redis": {"builtIn": {"image": {"tag": "8.2.1-alpine"}}}}, "with the digest pinned for 7.4.6-alpine would still run 7.4.6"),
     ({"redis": {"builtIn": {"enabled": False}, "url": "redis://r:6379", "tls": {"existingCASecret": "ca"}}},
      "redis.tls.existingCASecret needs a TLS URL"),
     ({"autoscaling": {"enabled": True}, "resources": {"requests": {"cpu": None}}},
+     "autoscaling.cpuFallback targets CPU utilisation, which needs resources.requests.cpu"),
+    ({"autoscaling": {"enabled": True, "cpuFallback": {"enabled": True}}, "gpu": {"enabled": True},
+      "resources": {"requests": {"cpu": None}}},
      "autoscaling.cpuFallback targets CPU utilisation, which needs resources.requests.cpu"),
 ])
 def test_template_refuses_inconsistent_values(helm, values, message):
@@ -867,7 +873,7 @@ def test_autoscaling_scales_on_streams_in_flight(rendered, served_metrics):
     load, fallback = hpa["metrics"]
     assert load["type"] == "Pods" and load["pods"]["metric"]["name"] == "kvshare_requests_in_flight"
     assert load["pods"]["target"] == {"type": "AverageValue", "averageValue": "8"}
-    assert fallback["type"] == "Resource" and fallback["resource"]["name"] == "cpu"
+    assert fallback["type"] == "Resource" and fallback["resource"]["name"] == "cpu"  # CPU workers only
     assert "kvshare_requests_in_flight" in served_metrics
 
     scaled = find(rendered["autoscaling-keda"], "ScaledObject")
@@ -877,7 +883,8 @@ def test_autoscaling_scales_on_streams_in_flight(rendered, served_metrics):
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
     assert _selector_names(promql_parser.parse(trigger["metadata"]["query"])) == {"kvshare_requests_in_flight"}
     assert f'namespace="{NAMESPACE}"' in trigger["metadata"]["query"]
-    assert [t["type"] for t in scaled["spec"]["triggers"][1:]] == ["cpu"]
+    # A GPU worker's CPU does not follow its load: no CPU fallback unless asked for.
+    assert len(scaled["spec"]["triggers"]) == 1
     assert not [d for d in rendered["autoscaling-keda"] if d["kind"] == "HorizontalPodAutoscaler"]
     assert "replicas" not in find(rendered["autoscaling-keda"], "Deployment")["spec"]
 

@@ -319,7 +319,14 @@ window and drain (null: the workers' drain, since the streams it forwards are th
 {{- fail (printf "model.source=image needs Kubernetes 1.31+ (the ImageVolume feature); this cluster is %s (helm template: pass --kube-version)" .Capabilities.KubeVersion.Version) -}}
 {{- end -}}
 {{- end -}}
-{{- if and .Values.autoscaling.enabled .Values.autoscaling.cpuFallback.enabled (not (dig "requests" "cpu" "" .Values.resources)) -}}
+{{- if and .Values.autoscaling.enabled (not .Values.metrics.enabled) -}}
+{{- fail "autoscaling.enabled scales on the workers' kvshare_requests_in_flight, which metrics.enabled=false turns off: enable metrics (only metrics.scrapers reach them)" -}}
+{{- end -}}
+{{- $redisImage := .Values.redis.builtIn.image -}}
+{{- if and (eq $redisImage.digest "sha256:3b73847e72874be07e6657b129a94761662b79bc0f679273757d4218573b2a98") (ne $redisImage.tag "7.4.6-alpine") -}}
+{{- fail (printf "redis.builtIn.image.tag=%s with the digest pinned for 7.4.6-alpine would still run 7.4.6: set redis.builtIn.image.digest to the new tag's digest (docker buildx imagetools inspect redis:%s), or \"\" to follow the tag" $redisImage.tag $redisImage.tag) -}}
+{{- end -}}
+{{- if and .Values.autoscaling.enabled (include "kvshare.cpuFallback" .) (not (dig "requests" "cpu" "" .Values.resources)) -}}
 {{- fail "autoscaling.cpuFallback targets CPU utilisation, which needs resources.requests.cpu" -}}
 {{- end -}}
 {{- $_ := include "kvshare.graceSeconds" . -}}
@@ -375,6 +382,13 @@ environment variable that names the file and the folder it is mounted in.
 {{- end -}}
 {{- end -}}
 {{- toYaml $files -}}
+{{- end -}}
+
+{{/* Whether the autoscaler also scales on CPU: autoscaling.cpuFallback.enabled, or by default on CPU
+workers only (a GPU worker's CPU does not follow its load). "true" or "". */}}
+{{- define "kvshare.cpuFallback" -}}
+{{- $set := .Values.autoscaling.cpuFallback.enabled -}}
+{{- if ternary (not .Values.gpu.enabled) $set (kindIs "invalid" $set) }}true{{ end -}}
 {{- end -}}
 
 {{/* The autoscaler's scale-down: every removed worker drains its streams, so not on a short lull. */}}
