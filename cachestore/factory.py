@@ -73,8 +73,18 @@ class StoreURLError(ValueError):
     """The cache URL names no known backend."""
 
 
+# redis-py query options that would connect to a Redis whose certificate is not checked: whoever can
+# answer in its place could then serve K/V that decides the workers' answers.
+_UNVERIFIED_TLS = {"ssl_cert_reqs": {"none", "optional", "cert_none", "cert_optional"},
+                   "ssl_check_hostname": {"false", "0", "no", "off", "n", "f"}}
+
+
 def _redis_connector(url: str, options: StoreOptions) -> tuple[Callable[[], redis.Redis | RedisCluster], str]:
     parts = urlsplit(url)
+    for key, value in parse_qsl(parts.query, keep_blank_values=True):
+        if value.strip().lower() in _UNVERIFIED_TLS.get(key.lower(), ()):
+            raise StoreURLError(f"the cache URL's ?{key}={value} would skip checking the Redis server's certificate: "
+                                "kvshare always checks it; give a private CA with --cache-tls-ca-file instead")
     tls = options.tls
     if (tls.ca_file or tls.cert_file or tls.key_file) and not parts.scheme.startswith("rediss"):
         raise StoreURLError(f"cache TLS files are set but the cache URL is {parts.scheme}://: use rediss:// "

@@ -1,9 +1,10 @@
 """Container health check: asks the local worker's grpc.health.v1 service whether it is SERVING.
 
 Exit status 0 when it is, 1 otherwise (not listening, NOT_SERVING while draining, or no answer in
-time), as Docker's HEALTHCHECK and compose's healthcheck expect. The port is KVSHARE_PORT (the
-worker's own setting, default 50051) and the service checked is kvshare.v1.Generator, so a worker
-that is shutting down reports unhealthy. Kubernetes does not use this: it has native gRPC probes.
+time), as Docker's HEALTHCHECK and compose's healthcheck expect. The port is KVSHARE_HEALTH_PORT
+when the worker has one (its plaintext health-only port beside a TLS API port), else KVSHARE_PORT
+(default 50051), and the service checked is kvshare.v1.Generator, so a worker that is shutting down
+reports unhealthy. Kubernetes does not use this: it has native gRPC probes.
 
 Usage: python healthcheck.py [HOST:PORT] [SERVICE]
 """
@@ -36,7 +37,9 @@ def check(target: str, service: str, timeout_s: float = TIMEOUT_S) -> bool:
 
 
 def main(argv: list[str]) -> int:
-    target = argv[1] if len(argv) > 1 else f"127.0.0.1:{os.environ.get('KVSHARE_PORT', '50051')}"
+    health_port = os.environ.get("KVSHARE_HEALTH_PORT", "0").strip()
+    port = health_port if health_port not in ("", "0") else os.environ.get("KVSHARE_PORT", "50051")
+    target = argv[1] if len(argv) > 1 else f"127.0.0.1:{port}"
     service = argv[2] if len(argv) > 2 else DEFAULT_SERVICE
     return 0 if check(target, service) else 1
 

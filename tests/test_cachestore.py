@@ -149,7 +149,11 @@ def test_breaker_opens_backs_off_and_recovers():
 
 def test_unknown_scheme_is_refused():
     for url, says in [("memcached://x", "is not one of"), ("memory", "has no scheme"),
-                      ("tiered+memory://", r"tiered\+ goes before a Redis URL"), ("redis+cluster://", "names no seed node")]:
+                      ("tiered+memory://", r"tiered\+ goes before a Redis URL"), ("redis+cluster://", "names no seed node"),
+                      # Certificate checks cannot be turned off from the URL.
+                      ("rediss://r:6380/0?ssl_cert_reqs=none", r"\?ssl_cert_reqs=none would skip checking"),
+                      ("tiered+rediss://r:6380/0?ssl_ca_certs=/ca&SSL_CERT_REQS=Optional", "would skip checking"),
+                      ("rediss+cluster://r:6380?ssl_check_hostname=false", "would skip checking")]:
         with pytest.raises(StoreURLError, match=says):
             open_store(url, StoreOptions(), CacheStats())
 

@@ -487,7 +487,8 @@ def test_default_redis_requires_a_generated_password_and_speaks_tls(rendered):
     redis = find(docs, "StatefulSet")["spec"]["template"]["spec"]
     container = redis["containers"][0]
     script = container["args"][0]
-    assert 'requirepass "$(cat /etc/kvshare/redis-auth/redis-password)"' in script and "--requirepass" not in script
+    assert 'pw="$(cat /etc/kvshare/redis-auth/redis-password)"' in script and 'requirepass "$pw"' in script
+    assert "--requirepass" not in script
     assert "--port 0 --tls-port 6379" in script and "--tls-auth-clients no" in script
     assert "--protected-mode no" not in script and "env" not in container
     assert _secret_file(redis, container, "/etc/kvshare/redis-auth/redis-password") == ("kvshare-redis-auth", 0o440)
@@ -499,6 +500,11 @@ def test_default_redis_requires_a_generated_password_and_speaks_tls(rendered):
         "KVSHARE_CACHE_PASSWORD_FILE": "/etc/kvshare/redis-auth/redis-password"}
     pod = find(docs, "Deployment")["spec"]["template"]["spec"]
     assert _secret_file(pod, worker_container(docs), "/etc/kvshare/redis-auth/redis-password") == ("kvshare-redis-auth", 0o400)
+    # Redis and the workers read them at start: a changed generated Secret rolls both, and both
+    # annotations hash the same data as the Secrets rendered beside them.
+    annotations = [find(docs, kind)["spec"]["template"]["metadata"]["annotations"]["checksum/redis-secrets"]
+                   for kind in ("StatefulSet", "Deployment")]
+    assert annotations[0] == annotations[1] and len(annotations[0]) == 64
     ca = next(v for v in pod["volumes"] if v["name"] == "redis-ca")["secret"]
     assert ca == {"secretName": "kvshare-redis-tls", "items": [{"key": "ca.crt", "path": "ca.crt"}]}
     # The certificate names the Service the workers dial, and the CA signed it.
@@ -544,9 +550,16 @@ def test_the_rendered_redis_command_serves_tls_with_the_password_and_the_workers
             text = text.replace(old, new)
         return text
 
-    (tmp_path / "redis-password").write_text(password)
     here["/etc/kvshare/redis-auth/"] = f"{tmp_path}/"
     env = {k: v for k, v in os.environ.items() if k != "REDISCLI_AUTH"}
+    # A password that Redis's config parser would read otherwise than the workers (escapes, quotes,
+    # spaces, several lines) or a short one: the script says which Secret and exits.
+    for bad in ('ab\\c' + "x" * 16, 'say"hi' + "x" * 16, " " + "x" * 20, "x" * 20 + "\nrename-command FLUSHALL x", "short"):
+        (tmp_path / "redis-password").write_text(bad)
+        refused = subprocess.run(["sh", "-c", localised(container["args"][0])], env=env, cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=30)
+        assert refused.returncode == 1 and "kvshare-redis-auth (key redis-password) must be one line" in refused.stderr, bad
+    (tmp_path / "redis-password").write_text(password + "\n")
     probe = localised(container["readinessProbe"]["exec"]["command"][2])
     assert subprocess.run(["sh", "-c", probe], env=env, capture_output=True).returncode != 0, "ready with no Redis"
     server = subprocess.Popen(["sh", "-c", localised(container["args"][0])], env=env, cwd=tmp_path,
@@ -628,6 +641,12 @@ def test_external_redis_with_secret_and_tls(rendered):
     ({"url": "rediss://r:6380/0"}, "the external Redis's password must come from a Secret"),
     ({"url": "redis://r:6379/0", "auth": {"existingSecret": "s"}}, "redis.url redis://r:6379/0 is plaintext"),
     ({"url": "rediss://:hunter2@r:6380/0", "auth": {"existingSecret": "s"}}, "redis.url holds a password"),
+    ({"url": "rediss://:pa/ss@r:6380/0", "auth": {"existingSecret": "s"}}, "redis.url holds a password"),
+    ({"url": "rediss://r:6380/0?password=hunter2", "auth": {"existingSecret": "s"}}, "redis.url holds a password"),
+    ({"url": "unix:///run/redis.sock?PassWord=x", "auth": {"existingSecret": "s"}}, "redis.url holds a password"),
+    ({"url": "rediss://r:6380/0?ssl_cert_reqs=none", "auth": {"existingSecret": "s"}}, "the workers always check the Redis certificate"),
+    ({"url": "rediss://r:6380/0?ssl_ca_certs=/x", "auth": {"existingSecret": "s"}}, "the workers always check the Redis certificate"),
+    ({"url": "rediss://r:6380/0#x", "auth": {"existingSecret": "s"}}, "#fragment"),
 ])
 def test_an_external_redis_is_held_to_the_same_fence(helm, redis, message):
     """What the built-in Redis does by default, an external one must be given, or turned off by name."""
@@ -722,6 +741,9 @@ SCHEMA_VIOLATIONS = [
     (["--set", "redis.builtIn.enabled=false"], "redis.url", "(length|minLength)"),
     (["--set", "model.source=pvc"], "model.pvc.claimName", "(length|minLength)"),
     (["--set", "gpu.enabled=yes"], "gpu.enabled", "boolean"),
+    # maxmemory 0 means no limit at all: Redis would grow until the kubelet kills it.
+    (["--set-string", "redis.builtIn.maxmemory=0gb"], "redis.builtIn.maxmemory", "match pattern"),
+    (["--set-json", "lifecycle.drainTokensPerSecond=0.0001"], "lifecycle.drainTokensPerSecond", "(greater|minimum|0.1)"),
 ]
 
 
@@ -744,7 +766,10 @@ def test_schema_rejects_wrong_values(helm, args, path, reason):
     ({"router": {"enabled": True}, "tls": {"existingSecret": "t"}}, "the router dials the workers in plaintext"),
     ({"redis": {"builtIn": {"persistence": {"enabled": True}}}},
      "redis.builtIn.resources.limits.memory 1536Mi must be at least twice redis.builtIn.maxmemory 1gb"),
-    ({"redis": {"builtIn": {"maxmemory": "2gb"}}}, "redis.builtIn.resources.limits.memory 1536Mi must be above"),
+    ({"redis": {"tls": {"existingCASecret": "ca"}}}, "redis.tls.existingCASecret is for an external Redis"),
+    ({"redis": {"builtIn": {"maxmemory": "2gb"}}}, "redis.builtIn.resources.limits.memory 1536Mi must be at least 1.25 times"),
+    ({"metrics": {"port": 50051}}, "port, metrics.port and tls.healthPort must differ"),
+    ({"tls": {"existingSecret": "t", "healthPort": 9090}}, "port, metrics.port and tls.healthPort must differ"),
     ({"autoscaling": {"enabled": True}, "metrics": {"enabled": False}}, "autoscaling.enabled scales on the workers' kvshare_requests_in_flight"),
     ({"redis": {"builtIn": {"image": {"tag": "8.2.1-alpine"}}}}, "with the digest pinned for 7.4.6-alpine would still run 7.4.6"),
     ({"redis": {"builtIn": {"enabled": False}, "url": "redis://r:6379", "tls": {"existingCASecret": "ca"}}},

@@ -124,7 +124,8 @@ def _bool(raw: str) -> bool:
     """A yes/no setting as written in an environment variable or a flag (true/false, 1/0, yes/no, on/off)."""
     word = raw.strip().lower()
     if word not in _TRUE | _FALSE:
-        raise ValueError(f"{raw!r} is not true or false")
+        # argparse prints an ArgumentTypeError's own words ("--reflection: 'maybe' is not ...").
+        raise argparse.ArgumentTypeError(f"{raw!r} is not true or false")
     return word in _TRUE
 
 
@@ -136,7 +137,7 @@ def _parse(kind: type, raw: str, origin: str):
     target = _converter(kind)
     try:
         return target(raw)
-    except ValueError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         what = "true or false" if target is _bool else target.__name__
         raise SystemExit(f"{origin}: cannot read {raw!r} as {what}") from exc
 

@@ -146,7 +146,8 @@ def _health_server(health_servicer: health.aio.HealthServicer) -> grpc.aio.Serve
     """A server holding only the health service: the plaintext port that Kubernetes' gRPC probes
     (which speak no TLS) can reach while the API port speaks TLS. It says SERVING or NOT_SERVING and
     nothing else, the same answers as the API port's own health service."""
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    # A few streams per connection: enough for Check and a Watch or two, never a pile of Watches.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", 8)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server
 

@@ -220,6 +220,50 @@ redis.auth.existingSecret, else for the built-in Redis the one the chart generat
 {{- end -}}
 {{- end -}}
 
+{{/*
+The data of the Secrets the chart generates for the built-in Redis, as YAML {auth: {...}, tls: {...}}
+(base64 values; a part is absent when an existing Secret is named or the feature is off): what the
+cluster already holds (lookup), else made now. Made once per render and kept in .Values, so that
+the Secrets and the pods' checksum annotations agree.
+*/}}
+{{- define "kvshare.redisGenerated" -}}
+{{- if not (hasKey .Values "kvshareGeneratedRedis") -}}
+{{- $out := dict -}}
+{{- $name := include "kvshare.redisName" . -}}
+{{- $ns := .Release.Namespace -}}
+{{- if and .Values.redis.builtIn.enabled .Values.redis.auth.enabled (not .Values.redis.auth.existingSecret) -}}
+{{- $key := .Values.redis.auth.existingSecretPasswordKey -}}
+{{- $password := randAlphaNum 40 | b64enc -}}
+{{- with lookup "v1" "Secret" $ns (printf "%s-auth" $name) -}}
+{{- $password = get (default dict .data) $key | default $password -}}
+{{- end -}}
+{{- $_ := set $out "auth" (dict $key $password) -}}
+{{- end -}}
+{{- if and .Values.redis.builtIn.enabled .Values.redis.tls.enabled (not .Values.redis.tls.existingSecret) -}}
+{{- $data := dict -}}
+{{- with lookup "v1" "Secret" $ns (printf "%s-tls" $name) -}}
+{{- $data = default dict .data -}}
+{{- end -}}
+{{- if not (and (get $data "ca.crt") (get $data "tls.crt") (get $data "tls.key")) -}}
+{{- $ca := genCA (printf "%s-ca" $name) 3650 -}}
+{{- $hosts := list $name (printf "%s.%s" $name $ns) (printf "%s.%s.svc" $name $ns) (printf "%s.%s.svc.cluster.local" $name $ns) (printf "*.%s-headless.%s.svc" $name $ns) (printf "*.%s-headless.%s.svc.cluster.local" $name $ns) "localhost" -}}
+{{- $cert := genSignedCert $name nil $hosts 3650 $ca -}}
+{{- $data = dict "ca.crt" ($ca.Cert | b64enc) "tls.crt" ($cert.Cert | b64enc) "tls.key" ($cert.Key | b64enc) -}}
+{{- end -}}
+{{- $_ := set $out "tls" $data -}}
+{{- end -}}
+{{- $_ := set .Values "kvshareGeneratedRedis" $out -}}
+{{- end -}}
+{{- toYaml .Values.kvshareGeneratedRedis -}}
+{{- end -}}
+
+{{/* Pod annotation that rolls the pods when a generated Redis Secret changes (its data is read at start). */}}
+{{- define "kvshare.redisSecretsChecksum" -}}
+{{- with include "kvshare.redisGenerated" . | fromYaml -}}
+checksum/redis-secrets: {{ toYaml . | sha256sum }}
+{{- end -}}
+{{- end -}}
+
 {{/* The CA the workers check Redis's certificate with, as YAML {name, key}; "" for the system's. */}}
 {{- define "kvshare.redisCASecret" -}}
 {{- if .Values.redis.tls.existingCASecret -}}
@@ -278,11 +322,21 @@ window and drain (null: the workers' drain, since the streams it forwards are th
 {{- if and (not $r.builtIn.enabled) (not $r.url) -}}
 {{- fail "redis.builtIn.enabled is false and redis.url is empty: give the external Redis URL (redis://, rediss://, unix://, redis+cluster://, optionally tiered+)" -}}
 {{- end -}}
-{{- if and $r.tls.existingCASecret (not (contains "rediss" (include "kvshare.cacheURL" .))) -}}
+{{- if and $r.tls.existingCASecret $r.builtIn.enabled -}}
+{{- fail "redis.tls.existingCASecret is for an external Redis: the built-in Redis's CA comes with its certificate (redis.tls.existingSecret's ca.crt, or the generated one)" -}}
+{{- end -}}
+{{- if and $r.tls.existingCASecret (not (regexMatch "^(tiered\\+)?rediss(\\+cluster)?://" (include "kvshare.cacheURL" .))) -}}
 {{- fail "redis.tls.existingCASecret needs a TLS URL (rediss:// or rediss+cluster://)" -}}
 {{- end -}}
-{{- if regexMatch "://[^/@]*:[^/@]*@" $r.url -}}
+{{- $urlHead := regexReplaceAll "[?#].*$" $r.url "" -}}
+{{- if or (regexMatch "://[^@]*:[^@]*@" $urlHead) (regexMatch "(?i)[?&]password=" $r.url) -}}
 {{- fail "redis.url holds a password, which would sit in the release's values and the pod spec: put it in a Secret and name it in redis.auth.existingSecret" -}}
+{{- end -}}
+{{- if regexMatch "(?i)[?&](ssl_cert_reqs|ssl_check_hostname|ssl_ca_certs)=" $r.url -}}
+{{- fail "redis.url sets ssl_cert_reqs, ssl_check_hostname or ssl_ca_certs: the workers always check the Redis certificate, against redis.tls.existingCASecret (a private CA) or the system's CAs" -}}
+{{- end -}}
+{{- if contains "#" $r.url -}}
+{{- fail "redis.url has a #fragment, which a Redis URL has no use for" -}}
 {{- end -}}
 {{- if not $r.builtIn.enabled -}}
 {{- if and $r.auth.enabled (not $r.auth.existingSecret) -}}
@@ -298,11 +352,17 @@ window and drain (null: the workers' drain, since the streams it forwards are th
 {{- fail "redis.builtIn.resources.limits.memory is required: Redis must be bounded above redis.builtIn.maxmemory" -}}
 {{- end -}}
 {{- $max := include "kvshare.redisBytes" $r.builtIn.maxmemory | float64 -}}
-{{- $need := ternary (mulf $max 2) $max $r.builtIn.persistence.enabled -}}
+{{- $need := mulf $max (ternary 2.0 1.25 $r.builtIn.persistence.enabled) -}}
 {{- $have := include "kvshare.quantityBytes" $limit | float64 -}}
-{{- if or (lt $have $need) (and (not $r.builtIn.persistence.enabled) (eq $have $need)) -}}
-{{- fail (printf "redis.builtIn.resources.limits.memory %v must be %s redis.builtIn.maxmemory %s%s" $limit (ternary "at least twice" "above" $r.builtIn.persistence.enabled) $r.builtIn.maxmemory (ternary ": with persistence, an AOF rewrite forks Redis and copied pages count twice" ": Redis needs room beyond the data it holds" $r.builtIn.persistence.enabled)) -}}
+{{- if lt $have $need -}}
+{{- fail (printf "redis.builtIn.resources.limits.memory %v must be at least %s redis.builtIn.maxmemory %s%s" $limit (ternary "twice" "1.25 times" $r.builtIn.persistence.enabled) $r.builtIn.maxmemory (ternary ": with persistence, an AOF rewrite forks Redis and copied pages count twice" ": Redis needs room beyond the data it holds (buffers, fragmentation)" $r.builtIn.persistence.enabled)) -}}
 {{- end -}}
+{{- end -}}
+{{- $ports := list (int .Values.port) -}}
+{{- if .Values.metrics.enabled }}{{ $ports = append $ports (int .Values.metrics.port) }}{{ end -}}
+{{- if .Values.tls.existingSecret }}{{ $ports = append $ports (int .Values.tls.healthPort) }}{{ end -}}
+{{- if ne (len $ports) (len (uniq $ports)) -}}
+{{- fail (printf "port, metrics.port and tls.healthPort must differ (got %v): each is its own listener, fenced differently" $ports) -}}
 {{- end -}}
 {{- if and .Values.router.enabled .Values.tls.existingSecret -}}
 {{- fail "router.enabled with tls.existingSecret: the router dials the workers in plaintext; turn one of them off" -}}
