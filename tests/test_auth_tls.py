@@ -5,6 +5,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -154,6 +155,12 @@ def test_a_tls_worker_answers_kubelet_style_plaintext_health_checks_on_its_healt
             with pytest.raises(grpc.RpcError) as err:
                 ProtoReflectionDescriptorDatabase(channel).get_services()
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # The image's HEALTHCHECK (docker/healthcheck.py) asks the health port when there is one.
+        script = Path(__file__).resolve().parent.parent / "docker" / "healthcheck.py"
+        port = worker.target.rsplit(":", 1)[1]
+        check = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=30,
+                               env={**os.environ, "KVSHARE_PORT": port, "KVSHARE_HEALTH_PORT": str(health_port)})
+        assert check.returncode == 0 and "SERVING" in check.stdout, check.stderr
 
 
 needs_tls_redis = pytest.mark.skipif(
