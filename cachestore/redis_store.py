@@ -45,12 +45,16 @@ def _more_to_read(connection: redis.connection.AbstractConnection) -> bool:
         return False
 
 
-_RELEASE_IF_HELD = """
+_IF_HELD = """
 if redis.call('TYPE', KEYS[1]).ok == 'string' and redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
+  if ARGV[2] == '0' then
+    return redis.call('DEL', KEYS[1])
+  end
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 """
+"""A lease's compare-and-delete (ARGV[2] 0) or compare-and-renew (ARGV[2] ms), atomic on the server."""
 
 
 def _wrong_type(reply: object) -> bool:
@@ -86,7 +90,7 @@ class RedisStore(KVStore):
         self._lock = threading.Lock()
         self.ttl_s = ttl_s
         self.name = name
-        self._release_script = None
+        self._lease_script = None
 
     @property
     def _client(self) -> redis.Redis | RedisCluster:
@@ -226,9 +230,16 @@ class RedisStore(KVStore):
     def release(self, key: str, token: bytes) -> None:
         """Deletes the lease only while ``token`` holds it: a compare-and-delete, atomic on the
         server (a script), so a lease that expired and was taken by another worker survives."""
-        if self._release_script is None:
-            self._release_script = self._client.register_script(_RELEASE_IF_HELD)
-        self._release_script(keys=[key], args=[token])
+        self._if_held(key, token, 0)
+
+    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
+        """Sets the lease to expire ``ttl_ms`` from now, only while ``token`` holds it."""
+        self._if_held(key, token, max(1, ttl_ms))
+
+    def _if_held(self, key: str, token: bytes, ttl_ms: int) -> None:
+        if self._lease_script is None:
+            self._lease_script = self._client.register_script(_IF_HELD)
+        self._lease_script(keys=[key], args=[token, ttl_ms])
 
     def error_kind(self, exc: Exception) -> str:
         if isinstance(exc, redis.ConnectionError) and _caused_by(exc, ssl.SSLError):

@@ -115,6 +115,9 @@ class ResilientStore(KVStore):
     def release(self, key: str, token: bytes) -> None:
         self._call(self.write_breaker, "release", lambda: self.inner.release(key, token), None)
 
+    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
+        self._call(self.write_breaker, "renew", lambda: self.inner.renew(key, token, ttl_ms), None)
+
     def error_kind(self, exc: Exception) -> str:
         return self.inner.error_kind(exc)
 

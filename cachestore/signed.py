@@ -93,6 +93,9 @@ class SignedStore(KVStore):
         # HMAC signing is deterministic: the same token signs to the envelope stored.
         self.inner.release(key, self.keyring.sign(key, token))
 
+    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
+        self.inner.renew(key, self.keyring.sign(key, token), ttl_ms)
+
     def _lease_token(self, key: str, envelope: bytes) -> bytes | None:
         verified = self.keyring.verify(key, envelope)
         if isinstance(verified, VerifyFailure):

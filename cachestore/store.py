@@ -69,6 +69,10 @@ class KVStore(ABC):
         """Ends the lease under ``key`` if ``token`` still holds it (a lease that expired and was
         taken by someone else is left alone)."""
 
+    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:  # noqa: B027 - optional: only shared stores keep leases
+        """Makes the lease under ``key`` expire ``ttl_ms`` milliseconds from now, if ``token``
+        still holds it: a holder that keeps making progress keeps its lease."""
+
     def error_kind(self, exc: Exception) -> str:
         """A short label for a failure this store raised: one of ``ERROR_KINDS``."""
         return "error"

@@ -50,6 +50,9 @@ class TieredStore(KVStore):
     def release(self, key: str, token: bytes) -> None:
         self.l2.release(key, token)
 
+    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
+        self.l2.renew(key, token, ttl_ms)
+
     def error_kind(self, exc: Exception) -> str:
         return self.l2.error_kind(exc)
 

@@ -190,6 +190,32 @@ def test_lease_claim_holder_and_release_on_redis(redis_url):
     store.close()
 
 
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_holder_making_progress_keeps_its_leases(redis_url, redis_server, signed):
+    """Each chunk the holder publishes renews the leases it holds: a lease lives past the holder's
+    latest chunk, however slow the machine made the earlier ones; only its own token renews it."""
+    stats = CacheStats()
+    store = open_store(redis_url, StoreOptions(), stats)
+    if signed:
+        store = SignedStore(store, Keyring.from_secrets([("k1", "s" * 32)]), stats)
+    first, second, other = "kvshare:v1:lease:a", "kvshare:v1:lease:b", "kvshare:v1:lease:c"
+    assert store.claim(first, b"w.1", 60_000) == b"w.1"
+    assert store.claim(other, b"x.1", 60_000) == b"x.1"
+    leases = HeldLeases(store, b"w.1", 60_000, [first])
+    with redis_server.client() as client:
+        client.pexpire(first, 5)  # as if the first chunk had taken nearly the whole TTL
+        client.pexpire(other, 5)
+        leases.extend(second)
+        assert client.pttl(first) > 30_000 and client.pttl(second) > 30_000
+        store.renew(other, b"w.1", 60_000)  # not its lease: left to expire
+        wait_until(lambda: client.exists(other) == 0, what="a lease renewed by a stranger to expire")
+    leases.end()
+    assert store.holder(first) is None and store.holder(second) is None
+    store.renew(first, b"w.1", 60_000)  # renewing a lease that ended brings nothing back
+    assert store.holder(first) is None
+    store.close()
+
+
 def test_burst_over_two_replicas_is_computed_once_and_answers_as_cold(tiny_model, redis_url):
     with WorkerProcess(tiny_model, "--cache", redis_url, "--block-size", str(B), "--cache-dtype", "float32",
                        "--max-prefill-tokens-per-step", "32", *PATIENT) as wa, \

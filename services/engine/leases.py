@@ -3,9 +3,12 @@
 A sequence takes the lease on its prompt's first missing block when its lookup ends, and, before
 each chunk of blocks it publishes, the lease on the block after that chunk: a worker that arrives
 while the prompt is half computed finds its first missing block leased too, and waits instead of
-computing the rest again. Every lease is written under the sequence's own token (the worker's
-token and a row number), so that one row's end never ends a lease another row of the same worker
-holds. ``end`` releases them all (compare-and-delete); a lease never released expires.
+computing the rest again. Each of those chunks also renews the leases already held, so a lease
+lives ``ttl_ms`` past the holder's latest chunk, not past its first: a holder slowed by a busy
+machine keeps its lease while it makes progress, and one that died loses it after ``ttl_ms``. Every
+lease is written under the sequence's own token (the worker's token and a row number), so that one
+row's end never ends a lease another row of the same worker holds. ``end`` releases them all
+(compare-and-delete); a lease never released expires.
 """
 
 from __future__ import annotations
@@ -63,10 +66,14 @@ class HeldLeases:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def extend(self, key: str) -> None:
-        """Takes the lease on ``key`` as well, unless the leases ended or someone holds it."""
+        """Renews the leases held, and takes the lease on ``key`` as well, unless the leases ended
+        or someone holds it."""
         with self._lock:
             if self._ended:
                 return
+            held = list(self.keys)
+        for old in held:
+            self.store.renew(old, self.token, self.ttl_ms)
         if self.store.claim(key, self.token, self.ttl_ms) == self.token:
             with self._lock:
                 self.keys.append(key)
