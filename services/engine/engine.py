@@ -465,8 +465,11 @@ class Engine:
             if seq.encoder_hash is not None:
                 s = self.spec
                 seq.cross_kv = self.cross.get(seq.encoder_hash, s.num_layers, self.session.cross_heads, s.head_size)
-        claim, holder, key = self._claim(seq)
-        if claim is not Claim.OTHER_WORKER:
+        claim, holder, key = self._claim(seq, receiver)
+        # A row of this worker that has already published part of the prompt may finish, freeing
+        # the slot this row would copy from, before this row's first step: then its blocks are
+        # waited for in the store, as another worker's are, not computed again.
+        if not (claim is Claim.OTHER_WORKER or (claim is Claim.SIBLING and seq.lookup.hit_blocks > 0)):
             self._fetched(seq, t)
             return True
         run = len(seq.lookup.hashes) - seq.lookup.hit_blocks  # blocks awaited
@@ -518,23 +521,33 @@ class Engine:
         self.cache_stats.add(blocks_received=arrived)
         return arrived
 
-    def _claim(self, seq: Sequence) -> tuple[Claim, bytes | None, str | None]:
+    def _claim(self, seq: Sequence, receiver: Callable[[int, np.ndarray], bool] | None
+               ) -> tuple[Claim, bytes | None, str | None]:
         """The fleet's single-flight (``services.engine.leases``): when the prompt has uncached
         full blocks, takes the lease on computing them (then ``seq.lease`` holds it), or finds
-        who holds it. Returns what the claim found, the holder's token and the lease's key."""
-        hashes, hit = seq.lookup.hashes, seq.lookup.hit_blocks
-        if not self.options.leases.enabled or seq.cache.skip_read or seq.cache.skip_write or hit >= len(hashes):
+        who holds it. Returns what the claim found, the holder's token and the lease's key.
+
+        A lease found free may have been released just now by a holder that finished the prompt
+        after this sequence's lookup read the store: that holder stored every block before its
+        release, so the lookup reads on once before this sequence computes them again."""
+        hashes, size = seq.lookup.hashes, seq.namespace.block_size
+        if not self.options.leases.enabled or seq.cache.skip_read or seq.cache.skip_write:
             return Claim.NONE, None, None
-        key, token = lease_key(hashes[hit]), self.tokens.new()
-        ttl_ms = int(2 * self.scheduler.pace.expected_ms((len(hashes) - hit) * seq.namespace.block_size)
-                     + LEASE_SLACK_MS)
-        holder = self.store.claim(key, token, ttl_ms)
-        claim = self.tokens.classify(holder, token)
-        if claim is Claim.HELD:
-            seq.lease = HeldLeases(self.store, token, ttl_ms, [key])
-            if seq.aborted or seq.done:  # the request ended while the claim was on its way
-                self.release_leases([seq])
-        return claim, holder, key
+        while seq.lookup.hit_blocks < len(hashes):
+            hit = seq.lookup.hit_blocks
+            key, token = lease_key(hashes[hit]), self.tokens.new()
+            ttl_ms = int(2 * self.scheduler.pace.expected_ms((len(hashes) - hit) * size) + LEASE_SLACK_MS)
+            holder = self.store.claim(key, token, ttl_ms)
+            claim = self.tokens.classify(holder, token)
+            if claim is Claim.HELD and self.prefix.extend(seq.lookup, size, receiver):
+                self.store.release(key, token)
+                continue
+            if claim is Claim.HELD:
+                seq.lease = HeldLeases(self.store, token, ttl_ms, [key])
+                if seq.aborted or seq.done:  # the request ended while the claim was on its way
+                    self.release_leases([seq])
+            return claim, holder, key
+        return Claim.NONE, None, None
 
     def _fetched(self, seq: Sequence, t0: float) -> None:
         """The lookup's end: what it found becomes the sequence's cached prompt."""
