@@ -55,7 +55,9 @@ def test_two_concurrent_requests_on_one_worker_compute_their_shared_prefix_once(
         stats = engine.scheduler.stats
         assert stats.prefill_tokens == PREFIX + len(qa) + len(qb), "the shared prefix was computed once"
         assert stats.shared_tokens == PREFIX
-        assert sorted([ca.usage.cached_prompt_tokens, cb.usage.cached_prompt_tokens]) == [0, PREFIX]
+        # Which row computes which chunks depends on whose lookup ends first (a read thread's
+        # timing): the rows may share the work, but together they copied exactly one prefix.
+        assert ca.usage.cached_prompt_tokens + cb.usage.cached_prompt_tokens == PREFIX
         for req, tokens in ((a, ta), (b, tb)):
             assert tokens == alone(engine, req)[0], "an answer over copied K/V equals its cold answer"
     finally:
