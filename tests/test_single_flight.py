@@ -25,7 +25,7 @@ from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
 from services.engine.leases import Claim, HeldLeases, Tokens
-from services.engine.run_waits import LeaseOptions
+from services.engine.run_waits import LeaseOptions, RunWait, RunWaits, WaitEnd
 from services.local.worker_process import WorkerProcess
 from services.runtime.kv_layout import KVLayout
 
@@ -161,6 +161,20 @@ def test_a_dead_holders_lease_is_waited_for_only_until_the_bound(tiny_model, red
             wait_until(lambda: not client.exists(key), what="the lease's expiry")
     finally:
         engine.close()
+
+
+def test_the_holders_pace_is_judged_on_two_chunks_not_one():
+    """A waiter gives up on a holder that looks slower than computing only after ``pace_blocks``
+    blocks came after the first ones: one chunk's interval at a burst's start is noise. The clock
+    is set far apart (a second against a microsecond of computing), so no machine's speed matters."""
+    def wait(received: int) -> RunWait:
+        return RunWait(fetch_more=lambda: 0, missing=lambda: 16, held=lambda: True, cancelled=lambda: False,
+                       compute_s=lambda blocks: 1e-6, stall_s=3600.0, first_stall_s=3600.0, pace_blocks=8,
+                       on_end=lambda end: None, received=received, first_arrival=time.monotonic() - 1.0,
+                       first_batch=4)
+
+    assert RunWaits._step(wait(4 + 4)) is None, "one chunk after the first: still waiting"
+    assert RunWaits._step(wait(4 + 8)) is WaitEnd.SLOWER
 
 
 def test_a_forged_lease_makes_nobody_wait(tiny_model, redis_server, redis_url):

@@ -12,8 +12,9 @@ The wait ends, and the sequence computes whatever it still lacks, at the first o
   chunks' worth of this worker's prefill time between arrivals, and up to the time it would take
   to compute the whole run for the first ones;
 - waiting has become slower than computing: at the pace the holder's blocks have arrived since
-  the first of them, the missing ones would take longer than this worker computing them now, from
-  its own measured prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
+  the first of them (judged once two chunks' worth came), the missing ones would take longer than
+  this worker computing them now, from its own measured prefill pace (``PrefillPace``) times
+  ``LeaseOptions.wait_factor``.
 
 So a wait lasts about as long as computing would have at most, and a store that is slow, down or
 hostile (a forged lease: see ``SignedStore.claim``) costs at most the stall bound, never a wrong
@@ -104,6 +105,10 @@ class RunWait:
     first_stall_s: float
     """Longest wait for the first blocks: the holder computes a whole chunk before it publishes
     any, more slowly than usual when the burst that made it the holder loads its machine."""
+    pace_blocks: int
+    """Blocks that must arrive after the first ones before the holder's pace is judged (two
+    chunks' worth): one chunk's interval is mostly noise at a burst's start (a slow chunk made
+    three of four waiters compute a prompt they had a quarter of, which slowed the holder more)."""
     on_end: Callable[[WaitEnd], None]
     """Called once, on the polling thread, when the wait ends."""
     last_progress: float = field(default_factory=time.monotonic)
@@ -187,7 +192,7 @@ class RunWaits:
         if now - wait.last_progress >= (wait.stall_s if wait.first_arrival is not None else wait.first_stall_s):
             return WaitEnd.STALLED
         since_first = wait.received - wait.first_batch
-        if since_first and missing * (now - wait.first_arrival) / since_first > wait.compute_s(missing):
+        if since_first >= max(1, wait.pace_blocks) and missing * (now - wait.first_arrival) / since_first > wait.compute_s(missing):
             return WaitEnd.SLOWER
         if not wait.held():
             # The holder publishes its last blocks before it releases: one more read decides.
