@@ -6,7 +6,7 @@ prefix, and how late is the slowest first token against one cold request alone?
   or from another request of the same worker), summed over the burst, divided by the prefix
   length: 1.00 means the fleet computed it once;
 - TTFT p50 / p99 (server-side, ms) of the burst's requests against the median TTFT of the same
-  prompt shape sent alone, cold, to an idle fleet.
+  prompt shape sent alone, cold, to the idle fleet just before each burst.
 
 Each replica count ends with one more burst while Redis is down: it must complete with the same
 answers and nobody waiting for a lease; each worker computes the prefix at most once per request
@@ -91,10 +91,9 @@ def genai_rows(model, rng: np.random.Generator, requests: int, prefix_len: int, 
     static-batching rows) on the same folder, given the same bursts; the prefix it computed is not
     reported, so that column is empty."""
     genai = GenAIEngine(model, requests)
-    alone = [genai.load([model.random_ids(rng, prefix_len + QUESTION_TOKENS)], [NEW_TOKENS]).streams[0].ttft * 1e3
-             for _ in range(max(1, bursts))]
-    ttfts = []
+    alone, ttfts = [], []
     for _ in range(bursts):
+        alone.append(genai.load([model.random_ids(rng, prefix_len + QUESTION_TOKENS)], [NEW_TOKENS]).streams[0].ttft * 1e3)
         prefix = model.random_ids(rng, prefix_len)
         prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(requests)]
         ttfts += [s.ttft * 1e3 for s in genai.load(prompts, [NEW_TOKENS] * requests).streams]
@@ -117,13 +116,14 @@ def main() -> int:
     for replicas in args.replicas:
         with fleet(model, replicas=replicas) as f:
             warm_up(f.stubs, model.random_ids(rng, prefix_len + QUESTION_TOKENS))
-            alone = []
-            for _ in range(max(1, bursts)):
+            alone, computed, ttfts = [], [], []
+            for b in range(bursts):
+                # A cold request alone just before each burst, on each replica in turn: on a shared
+                # machine the pace drifts by a third within minutes, and a ratio must compare
+                # what was measured in the same stretch of time.
                 prompt = model.random_ids(rng, prefix_len + QUESTION_TOKENS)
-                alone.append(complete(f.stubs[0], request(prompt), CALL_TIMEOUT_S).last.timings.time_to_first_token_ms)
-            cold_ms = median(alone)
-            computed, ttfts = [], []
-            for _ in range(bursts):
+                alone.append(complete(f.stubs[b % replicas], request(prompt), CALL_TIMEOUT_S)
+                             .last.timings.time_to_first_token_ms)
                 prefix = model.random_ids(rng, prefix_len)
                 prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(args.requests)]
                 t = time.perf_counter()
@@ -136,6 +136,7 @@ def main() -> int:
                 print(f"{replicas} replicas: prefix computed {computed[-1]:.2f}x, slowest first token "
                       f"{max(a.ttft_ms for a in answers):.0f} ms, burst done in {span_s:.2f} s", flush=True)
                 f.client.flushdb()
+            cold_ms = median(alone)
             rows.append(row(f"{args.requests} requests / {replicas} replicas", computed, cold_ms, ttfts))
             # The same burst with Redis down: leases and blocks are gone; each worker computes once.
             f.redis.kill()
