@@ -33,3 +33,13 @@ def test_cached_decoding_matches_full_recompute(model_dirs, preset, layout):
         logits, cache = session.run([token], cache)
         assert cache.length == len(sequence)
     assert worst <= TOLERANCE, f"max |logit diff| {worst:.2e}"
+
+
+@pytest.mark.parametrize("spinning", [False, True])
+def test_onnx_runtime_threads_spin_only_when_asked(tiny_model, spinning):
+    """Replicas, Redis and other pods share a node's cores: an idle thread spin-waiting for the
+    next parallel section holds a core another process needs, so the worker's threads sleep unless
+    --intra-op-spinning says the cores are its own."""
+    session = DecoderSession(load_model_spec(tiny_model), "cpu", intra_op_threads=2, intra_op_spinning=spinning)
+    options = session._session.get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == ("1" if spinning else "0")

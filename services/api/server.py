@@ -139,7 +139,8 @@ def load_engine(settings: Settings) -> Engine:
         max_stop_string_bytes=settings.max_stop_string_bytes, tokenizer_threads=settings.tokenizer_threads,
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms),
     )
-    return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads)
+    return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads,
+                       settings.intra_op_spinning)
 
 
 def _health_server(health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:

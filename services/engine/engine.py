@@ -247,10 +247,10 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
-             execution_provider: str = "auto", intra_op_threads: int = 0) -> Engine:
+             execution_provider: str = "auto", intra_op_threads: int = 0, intra_op_spinning: bool = False) -> Engine:
         spec = load_model_spec(model_dir)
-        session = DecoderSession(spec, execution_provider, intra_op_threads)
-        encoder = EncoderSession(spec, execution_provider, intra_op_threads) if spec.encoder else None
+        session = DecoderSession(spec, execution_provider, intra_op_threads, intra_op_spinning)
+        encoder = EncoderSession(spec, execution_provider, intra_op_threads, intra_op_spinning) if spec.encoder else None
         engine = cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
         try:
             engine.chat_template = load_chat_template(model_dir)

@@ -92,10 +92,17 @@ def choose_providers(requested: str) -> list[str]:
     return [CUDA, CPU] if CUDA in available else [CPU]
 
 
-def open_session(path: Path, execution_provider: str, intra_op_threads: int) -> ort.InferenceSession:
-    """An ONNX Runtime session on the best available provider; raises ModelLoadError."""
+def open_session(path: Path, execution_provider: str, intra_op_threads: int,
+                 intra_op_spinning: bool = False) -> ort.InferenceSession:
+    """An ONNX Runtime session on the best available provider; raises ModelLoadError.
+
+    ``intra_op_spinning`` False (the worker's default, ONNX Runtime's is True): idle intra-op
+    threads sleep instead of spin-waiting for the next parallel section. Spinning saves a wake-up
+    per section on cores the process owns; where replicas, Redis or other pods share the cores, a
+    spinning thread holds a core another process needs (docs/benchmarks.md, ``bench.burst``)."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if intra_op_spinning else "0")
     options.log_severity_level = 3
     try:
         return ort.InferenceSession(str(path), sess_options=options, providers=choose_providers(execution_provider))
@@ -121,9 +128,10 @@ def input_dtypes(session: ort.InferenceSession, path: Path) -> dict[str, np.dtyp
 class DecoderSession:
     """Runs a decoder on token ids after a cached past; knows nothing of requests or the network."""
 
-    def __init__(self, spec: ModelSpec, execution_provider: str = "auto", intra_op_threads: int = 0) -> None:
+    def __init__(self, spec: ModelSpec, execution_provider: str = "auto", intra_op_threads: int = 0,
+                 intra_op_spinning: bool = False) -> None:
         self.spec = spec
-        self._session = open_session(spec.onnx_path, execution_provider, intra_op_threads)
+        self._session = open_session(spec.onnx_path, execution_provider, intra_op_threads, intra_op_spinning)
         self.execution_provider = self._session.get_providers()[0]
         self._device = device_of(self._session)
         dtypes = input_dtypes(self._session, spec.onnx_path)
