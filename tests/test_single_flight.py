@@ -164,17 +164,22 @@ def test_a_dead_holders_lease_is_waited_for_only_until_the_bound(tiny_model, red
 
 
 def test_the_holders_pace_is_judged_on_two_chunks_not_one():
-    """A waiter gives up on a holder that looks slower than computing only after ``pace_blocks``
-    blocks came after the first ones: one chunk's interval at a burst's start is noise. The clock
-    is set far apart (a second against a microsecond of computing), so no machine's speed matters."""
-    def wait(received: int) -> RunWait:
+    """A waiter gives up on a holder that looks slower than computing only once as long has passed
+    since the holder's first blocks as computing ``pace_blocks`` (two chunks' worth) would take:
+    one chunk's interval at a burst's start is noise. The clock is set a second back and the
+    thresholds are 0.8 s and 1.6 s, so no machine's speed matters."""
+    def wait(received: int, ms_per_block: float) -> RunWait:
         return RunWait(fetch_more=lambda: 0, missing=lambda: 16, held=lambda: True, cancelled=lambda: False,
-                       compute_s=lambda blocks: 1e-6, stall_s=3600.0, first_stall_s=3600.0, pace_blocks=8,
-                       on_end=lambda end: None, received=received, first_arrival=time.monotonic() - 1.0,
-                       first_batch=4)
+                       compute_s=lambda blocks: blocks * ms_per_block / 1e3, stall_s=3600.0, first_stall_s=3600.0,
+                       pace_blocks=8, on_end=lambda end: None, received=received,
+                       first_arrival=time.monotonic() - 1.0, first_batch=4)
 
-    assert RunWaits._step(wait(4 + 4)) is None, "one chunk after the first: still waiting"
-    assert RunWaits._step(wait(4 + 8)) is WaitEnd.SLOWER
+    # One chunk (4 blocks) in the second since the first: the 16 missing would come in 4 s against
+    # 3.2 s computing, but two chunks' worth of computing (1.6 s) has not passed yet.
+    assert RunWaits._step(wait(4 + 4, ms_per_block=200)) is None
+    # Computing two chunks' worth takes 0.8 s: past that, one block in a second is judged slower.
+    assert RunWaits._step(wait(4 + 1, ms_per_block=100)) is WaitEnd.SLOWER
+    assert RunWaits._step(wait(4 + 12, ms_per_block=100)) is None, "12 blocks a second: faster than computing"
 
 
 def test_a_forged_lease_makes_nobody_wait(tiny_model, redis_server, redis_url):

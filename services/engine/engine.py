@@ -508,7 +508,7 @@ class Engine:
             compute_s=lambda blocks: factor * pace.expected_ms(blocks * size) / 1e3,
             stall_s=stall_ms / 1e3,
             first_stall_s=max(stall_ms, factor * pace.expected_ms(run * size)) / 1e3,
-            pace_blocks=2 * -(-chunk // size),
+            pace_blocks=-(-2 * chunk // size),
             on_end=end,
         ))
         return False

@@ -12,7 +12,8 @@ The wait ends, and the sequence computes whatever it still lacks, at the first o
   chunks' worth of this worker's prefill time between arrivals, and up to the time it would take
   to compute the whole run for the first ones;
 - waiting has become slower than computing: at the pace the holder's blocks have arrived since
-  the first of them (judged once two chunks' worth came), the missing ones would take longer than
+  the first of them (judged once as long has passed as computing two chunks would take), the
+  missing ones would take longer than
   this worker computing them now, from its own measured prefill pace (``PrefillPace``) times
   ``LeaseOptions.wait_factor``.
 
@@ -106,9 +107,11 @@ class RunWait:
     """Longest wait for the first blocks: the holder computes a whole chunk before it publishes
     any, more slowly than usual when the burst that made it the holder loads its machine."""
     pace_blocks: int
-    """Blocks that must arrive after the first ones before the holder's pace is judged (two
-    chunks' worth): one chunk's interval is mostly noise at a burst's start (a slow chunk made
-    three of four waiters compute a prompt they had a quarter of, which slowed the holder more)."""
+    """The holder's pace is judged only once as long has passed since its first blocks as this
+    worker would take to compute this many (two chunks' worth): one chunk's interval is mostly
+    noise at a burst's start (a slow chunk made three of four waiters compute a prompt they had
+    a quarter of, which slowed the holder more). Judging later than that would let a slow holder
+    hold the wait longer than computing takes."""
     on_end: Callable[[WaitEnd], None]
     """Called once, on the polling thread, when the wait ends."""
     last_progress: float = field(default_factory=time.monotonic)
@@ -192,7 +195,8 @@ class RunWaits:
         if now - wait.last_progress >= (wait.stall_s if wait.first_arrival is not None else wait.first_stall_s):
             return WaitEnd.STALLED
         since_first = wait.received - wait.first_batch
-        if since_first >= max(1, wait.pace_blocks) and missing * (now - wait.first_arrival) / since_first > wait.compute_s(missing):
+        judged = since_first > 0 and now - wait.first_arrival >= wait.compute_s(wait.pace_blocks)
+        if judged and missing * (now - wait.first_arrival) / since_first > wait.compute_s(missing):
             return WaitEnd.SLOWER
         if not wait.held():
             # The holder publishes its last blocks before it releases: one more read decides.
