@@ -106,7 +106,8 @@ def main() -> int:
         parser.add_argument("--requests", type=int, default=8)
         parser.add_argument("--replicas", type=int, nargs="+", default=[2, 4])
         parser.add_argument("--prefix", type=int, default=2048, help="new shared prefix, tokens")
-        parser.add_argument("--bursts", type=int, default=3, help="bursts per replica count, each on a fresh prefix")
+        parser.add_argument("--bursts", type=lambda v: max(1, int(v)), default=3,
+                            help="bursts per replica count, each on a fresh prefix (at least 1)")
 
     args = parse_args(__doc__.splitlines()[0], options)
     model = bench_model(args)
