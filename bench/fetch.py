@@ -11,10 +11,12 @@ cheapest way redis-py can move them). Also measured: the tiered store with its m
 holding the blocks.
 
 The second table is the CPU budget of the target (the fetch path at >= 0.9 of ``MGET``'s
-throughput, i.e. within ``MGET``'s time / 0.9): the CPU time ``MGET`` costs the client thread and
-``redis-server`` (its INFO counters), and the CPU time of the path's own work on the same values
-with no transfer (a memory store holding them: checks, widening, copying into the slot). However
-that work is overlapped with the transfer, the target needs at least their sum / that time cores.
+throughput, i.e. within ``MGET``'s time / 0.9): the CPU time the cheaper of the two plain reads
+(``MGET``, the ``GET`` pipeline) costs the client thread and ``redis-server`` (its INFO counters),
+and the CPU time of everything the path does once the bytes are in (read through a memory store
+holding the same values: header, checksum and range checks, widening, copying into the slot).
+However that work is overlapped with the transfer, the target needs at least their sum / that
+time cores.
 
     .venv/bin/python -m bench.fetch [--smoke] [--model DIR]
 """
@@ -110,11 +112,12 @@ def main() -> int:
             in_memory = MemoryStore(4 * payload)
             in_memory.put_many(list(zip(keys, plain.mget(keys), strict=True)))
             local = PrefixStore(in_memory, geometry, CacheStats())
-            read_cpu, redis_cpu = cpu_ms(lambda: plain.mget(keys), plain, runs)
+            read_cpu, redis_cpu = min(cpu_ms(lambda: plain.mget(keys), plain, runs),
+                                      cpu_ms(lambda: pipelined_gets(plain, keys), plain, runs), key=sum)
             work_cpu, _ = cpu_ms(lambda: fetch_path(local), plain, runs)
-            allowed = median(times["plain MGET"]) * 1e3 / 0.9
+            mget_ms = median(times["plain MGET"]) * 1e3
             total = read_cpu + redis_cpu + work_cpu
-            budget.append((name, allowed, read_cpu, redis_cpu, work_cpu, total, total / allowed))
+            budget.append((name, mget_ms, mget_ms / 0.9, read_cpu, redis_cpu, work_cpu, total, total / (mget_ms / 0.9)))
             engine.slots.release(slot)
             engine.close()
             base = payload / median(times["plain MGET"])
@@ -126,7 +129,7 @@ def main() -> int:
                                                      "× plain MGET"), rows)
     print_table("CPU budget of the target: ms of CPU to move and use the values against the wall time the target "
                 "allows (plain MGET / 0.9); the last column is the fewest cores that could meet it",
-                ("storage dtype", "allowed ms", "MGET, client CPU ms", "MGET, redis-server CPU ms",
+                ("storage dtype", "plain MGET ms", "allowed ms", "read, client CPU ms", "read, redis-server CPU ms",
                  "checks + widen + copy CPU ms", "CPU ms in all", "cores needed"), budget)
     print_table("Redis value bytes per cached token (K/V payload + headers)",
                 ("storage dtype", "K/V bytes/token", "stored bytes/token"), bytes_per_token)
