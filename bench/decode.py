@@ -5,7 +5,8 @@ both produced the same tokens.
 kvshare's rate comes from the worker's own timings, (completion_tokens - 1) / (total - TTFT); GenAI's
 from timing its generate_next_token loop after the first token, in this process. A third row times
 the worker's model path (its slot bank) in this process too, which separates the runtime from the
-server path.
+server path. The worker and the slot bank run twice, with ONNX Runtime's idle threads sleeping
+(kvshare's default) and spinning (``--intra-op-spinning true``, ONNX Runtime's and GenAI's default).
 
 With ``--llama-cpp PYTHON --gguf FILE`` (a Python with llama-cpp-python installed, and the GGUF the
 folder was converted from) a fourth row runs llama.cpp on that file, in a subprocess, interleaved
@@ -101,23 +102,29 @@ def main() -> int:
     prompt = model.random_ids(np.random.default_rng(4), prompt_tokens)
     og_model = og.Model(str(genai_folder(model)))
     spec = load_model_spec(model.folder)
-    slots = open_slots(DecoderSession(spec, "auto", INTRA_OP_THREADS), 1, spec.context_length)
-    rates: dict[str, list[float]] = {"kvshare worker (gRPC stream)": [], "kvshare step loop (in-process)": [],
-                                     "onnxruntime-genai": []}
-    with fleet(model, replicas=1) as f:
-        (stub,) = f.stubs
-        kvshare_run(stub, prompt, 4)
+    threads = {"": False, ", spinning threads": True}
+    slots = {name: open_slots(DecoderSession(spec, "auto", INTRA_OP_THREADS, spinning), 1, spec.context_length)
+             for name, spinning in threads.items()}
+    rates: dict[str, list[float]] = {}
+    outputs: list[list[int]] = []
+    with fleet(model, replicas=1) as f, \
+            fleet(model, replicas=1, extra_args=("--intra-op-spinning", "true")) as g:
+        stubs = {"": f.stubs[0], ", spinning threads": g.stubs[0]}
+        for stub in stubs.values():
+            kvshare_run(stub, prompt, 4)
         for _ in range(rounds):
-            rate, served = kvshare_run(stub, prompt, new_tokens)
-            rates["kvshare worker (gRPC stream)"].append(rate)
-            rate, looped = slots_run(slots, prompt, new_tokens)
-            rates["kvshare step loop (in-process)"].append(rate)
+            for name in threads:
+                rate, served = kvshare_run(stubs[name], prompt, new_tokens)
+                rates.setdefault(f"kvshare worker (gRPC stream){name}", []).append(rate)
+                rate, looped = slots_run(slots[name], prompt, new_tokens)
+                rates.setdefault(f"kvshare step loop (in-process){name}", []).append(rate)
+                outputs += [served, looped]
             rate, reference = genai_run(og_model, prompt, new_tokens)
-            rates["onnxruntime-genai"].append(rate)
+            rates.setdefault("onnxruntime-genai", []).append(rate)
             if args.llama_cpp:
                 rate, theirs, version = llama_cpp_run(args.llama_cpp, args.gguf, prompt, new_tokens)
                 rates.setdefault(f"llama.cpp {version} (GGUF)", []).append(rate)
-    same = served == looped == reference
+    same = all(tokens == reference for tokens in outputs)
     genai = median(rates["onnxruntime-genai"])
     rows = [(name, prompt_tokens, new_tokens, median(r), median(r) / genai,
              ("yes" if same else "NO") if not name.startswith("llama.cpp") else
