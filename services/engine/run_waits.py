@@ -13,9 +13,8 @@ The wait ends, and the sequence computes whatever it still lacks, at the first o
   to compute the whole run for the first ones;
 - waiting has become slower than computing: at the pace the holder's blocks have arrived since
   the first of them (judged once as long has passed as computing two chunks would take), the
-  missing ones would take longer than
-  this worker computing them now, from its own measured prefill pace (``PrefillPace``) times
-  ``LeaseOptions.wait_factor``.
+  missing ones would take longer than this worker computing them now, from its own measured
+  prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
 
 So a wait lasts about as long as computing would have at most, and a store that is slow, down or
 hostile (a forged lease: see ``SignedStore.claim``) costs at most the stall bound, never a wrong
