@@ -51,7 +51,7 @@ def reference_sample(config: SamplingConfig, logits: np.ndarray, rng: np.random.
 
 
 def test_sampler_equals_the_plain_rule_including_ties():
-    """Also past the sampler's sorted head (HEAD candidates): vocabularies of 800 and 5000, flat
+    """Also past the sampler's sorted heads (HEADS candidates): vocabularies of 800 and 5000, flat
     logits whose draws often land beyond the head, filters that reach past it."""
     rng = np.random.default_rng(9)
     for trial in range(40):

@@ -40,14 +40,18 @@ class Sampler:
 
         The candidates are ordered by descending logit (ties: lower id first), cut by top_k, top_p
         and min_p, and one uniform draw picks along their cumulative probabilities. Most of the
-        mass sits in a few hundred tokens, so only the best ``HEAD`` are sorted first; the whole
-        vocabulary is sorted only when the draw or a filter reaches past them (same draw, same
-        token either way). Sorting 49k ids took 2.9 ms a row, most of a batched decode step."""
+        mass sits in a few dozen tokens, so only the best ``HEADS[0]`` are sorted first, then the
+        best ``HEADS[1]``; the whole vocabulary is sorted only when the draw or a filter reaches
+        past them (same draw, same token either way). Sorting 49k ids took 2.9 ms a row, most of
+        a batched decode step; the 1,024-id head 0.25 ms at 8k ids, the 64-id one 0.13 ms."""
         if self.config.greedy:
             return int(np.argmax(logits))
         u = self._rng.random()
-        picked = self._pick(logits, u, HEAD)
-        return picked if picked is not None else self._pick(logits, u, logits.shape[0])
+        for head in HEADS:
+            picked = self._pick(logits, u, head)
+            if picked is not None:
+                return picked
+        return self._pick(logits, u, logits.shape[0])
 
     def _pick(self, logits: np.ndarray, u: float, head: int) -> int | None:
         """The token ``u`` picks, looking at the best ``head`` candidates; None if it lies beyond."""
@@ -101,8 +105,8 @@ class Sampler:
         return np.lexsort((np.arange(vocab), -logits.astype(np.float64))), True
 
 
-HEAD = 1024
-"""Candidates sorted before the whole vocabulary is (see ``Sampler.__call__``)."""
+HEADS = (64, 1024)
+"""Candidates sorted before the whole vocabulary is, smallest first (see ``Sampler.__call__``)."""
 _ID_BITS = 20
 _ID_SPAN = 1 << _ID_BITS
 
