@@ -6,7 +6,12 @@ prefix, and how late is the slowest first token against one cold request alone?
   or from another request of the same worker), summed over the burst, divided by the prefix
   length: 1.00 means the fleet computed it once;
 - TTFT p50 / p99 (server-side, ms) of the burst's requests against the median TTFT of the same
-  prompt shape sent alone, cold, to the idle fleet just before each burst.
+  prompt shape sent alone, cold, to the idle fleet just before each burst;
+- CPU to the last first token: the CPU seconds that the workers, Redis and this client used
+  together from sending the burst until its last first token arrived, and that divided by the
+  cores this machine gives them, against the cold TTFT: with the replicas on one machine, the
+  burst's p99 cannot beat that ratio however the work is scheduled (replicas of a real fleet each
+  have their own cores).
 
 Each replica count ends with one more burst while Redis is down: it must complete with the same
 answers and nobody waiting for a lease; each worker computes the prefix at most once per request
@@ -20,8 +25,10 @@ Every answer is compared with the same prompt computed cold (greedy, EOS ignored
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -39,6 +46,7 @@ from bench.fleet import (
     print_table,
     warm_up,
 )
+from bench.process_cpu import ProcessCpu, cores
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.client import complete
@@ -58,32 +66,53 @@ def request(prompt: list[int], cold: bool = False) -> pb.GenerateRequest:
                               cache=pb.CacheOptions(skip_read=cold, skip_write=cold))
 
 
-async def ask(stub: pb_grpc.GeneratorStub, prompt: list[int]) -> Answer:
+@dataclass(slots=True)
+class Burst:
+    answers: list[Answer]
+    cpu_s: float
+    """CPU seconds of every process of the fleet and of this client until the last first token."""
+
+
+async def ask(stub: pb_grpc.GeneratorStub, prompt: list[int], first: Callable[[], None]) -> Answer:
     tokens, last = [], None
     async for message in stub.Generate(request(prompt), timeout=CALL_TIMEOUT_S):
+        if last is None:
+            first()
         tokens.extend(message.token_ids)
         last = message
     return Answer(tokens, last.usage.cached_prompt_tokens, last.timings.time_to_first_token_ms)
 
 
-def send_burst(f: Fleet, prompts: list[list[int]]) -> list[Answer]:
+def send_burst(f: Fleet, prompts: list[list[int]]) -> Burst:
     """Sends every prompt at once, prompt i to replica i mod R."""
+    cpu = ProcessCpu([*(w.pid for w in f.workers), f.redis.pid, os.getpid()])
+    firsts, cpu_s = 0, 0.0
+
+    def first() -> None:
+        nonlocal firsts, cpu_s
+        firsts += 1
+        if firsts == len(prompts):
+            cpu_s = cpu.used()
 
     async def run() -> list[Answer]:
         channels = [grpc.aio.insecure_channel(w.target) for w in f.workers]
         try:
             stubs = [pb_grpc.GeneratorStub(c) for c in channels]
-            return list(await asyncio.gather(*(ask(stubs[i % len(stubs)], p) for i, p in enumerate(prompts))))
+            cpu.mark()
+            return list(await asyncio.gather(*(ask(stubs[i % len(stubs)], p, first) for i, p in enumerate(prompts))))
         finally:
             for channel in channels:
                 await channel.close()
 
-    return asyncio.run(run())
+    return Burst(asyncio.run(run()), cpu_s)
 
 
-def row(name: str, computed: list[float], cold_ms: float, ttfts: list[float]) -> tuple:
+def row(name: str, computed: list[float], cold_ms: float, ttfts: list[float], cpu_s: list[float]) -> tuple:
     p50, p99 = float(np.percentile(ttfts, 50)), float(np.percentile(ttfts, 99))
-    return name, float(np.mean(computed)), cold_ms, p50, p99, p99 / cold_ms
+    if not cpu_s:
+        return name, float(np.mean(computed)), cold_ms, p50, p99, p99 / cold_ms, "", ""
+    mean_cpu = float(np.mean(cpu_s))
+    return name, float(np.mean(computed)), cold_ms, p50, p99, p99 / cold_ms, mean_cpu, mean_cpu / cores() * 1e3 / cold_ms
 
 
 def genai_rows(model, rng: np.random.Generator, requests: int, prefix_len: int, bursts: int) -> list[tuple]:
@@ -97,8 +126,8 @@ def genai_rows(model, rng: np.random.Generator, requests: int, prefix_len: int, 
         prefix = model.random_ids(rng, prefix_len)
         prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(requests)]
         ttfts += [s.ttft * 1e3 for s in genai.load(prompts, [NEW_TOKENS] * requests).streams]
-    _, _, cold_ms, p50, p99, ratio = row("", [0.0], median(alone), ttfts)
-    return [(f"og.Engine, {requests} requests, one process", "", cold_ms, p50, p99, ratio)]
+    _, _, cold_ms, p50, p99, ratio, _, _ = row("", [0.0], median(alone), ttfts, [])
+    return [(f"og.Engine, {requests} requests, one process", "", cold_ms, p50, p99, ratio, "", "")]
 
 
 def main() -> int:
@@ -117,7 +146,7 @@ def main() -> int:
     for replicas in args.replicas:
         with fleet(model, replicas=replicas) as f:
             warm_up(f.stubs, model.random_ids(rng, prefix_len + QUESTION_TOKENS))
-            alone, computed, ttfts = [], [], []
+            alone, computed, ttfts, cpu_s = [], [], [], []
             for b in range(bursts):
                 # A cold request alone just before each burst, on each replica in turn: on a shared
                 # machine the pace drifts by a third within minutes, and a ratio must compare
@@ -127,33 +156,42 @@ def main() -> int:
                              .last.timings.time_to_first_token_ms)
                 prefix = model.random_ids(rng, prefix_len)
                 prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(args.requests)]
-                t = time.perf_counter()
-                answers = send_burst(f, prompts)
-                span_s = time.perf_counter() - t
+                t, logged = time.perf_counter(), [len(w.log_lines) for w in f.workers]
+                burst = send_burst(f, prompts)
+                span_s, answers = time.perf_counter() - t, burst.answers
+                cpu_s.append(burst.cpu_s)
                 references = [complete(f.stubs[0], request(p, cold=True), CALL_TIMEOUT_S).token_ids for p in prompts]
                 wrong += sum(a.tokens != r for a, r in zip(answers, references, strict=True))
                 computed.append(sum(prefix_len - min(a.cached, prefix_len) for a in answers) / prefix_len)
                 ttfts += [a.ttft_ms for a in answers]
                 print(f"{replicas} replicas: prefix computed {computed[-1]:.2f}x, slowest first token "
-                      f"{max(a.ttft_ms for a in answers):.0f} ms, burst done in {span_s:.2f} s", flush=True)
+                      f"{max(a.ttft_ms for a in answers):.0f} ms, burst done in {span_s:.2f} s, "
+                      f"{burst.cpu_s:.2f} CPU s to the last first token", flush=True)
+                if computed[-1] > 1.0:  # the workers log each wait that ended before its blocks came
+                    for i, (w, start) in enumerate(zip(f.workers, logged, strict=True)):
+                        for line in w.log_lines[start:]:
+                            if "waited" in line:
+                                print(f"  replica {i}: {line}", flush=True)
                 f.client.flushdb()
             cold_ms = median(alone)
-            rows.append(row(f"{args.requests} requests / {replicas} replicas", computed, cold_ms, ttfts))
+            rows.append(row(f"{args.requests} requests / {replicas} replicas", computed, cold_ms, ttfts, cpu_s))
             # The same burst with Redis down: leases and blocks are gone; each worker computes once.
             f.redis.kill()
             prefix = model.random_ids(rng, prefix_len)
             prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(args.requests)]
-            answers = send_burst(f, prompts)
+            down_burst = send_burst(f, prompts)
+            answers = down_burst.answers
             references = [complete(f.stubs[0], request(p, cold=True), CALL_TIMEOUT_S).token_ids for p in prompts]
             wrong += sum(a.tokens != r for a, r in zip(answers, references, strict=True))
             down = [sum(prefix_len - min(a.cached, prefix_len) for a in answers) / prefix_len]
-            rows.append(row("same, Redis down", down, cold_ms, [a.ttft_ms for a in answers]))
+            rows.append(row("same, Redis down", down, cold_ms, [a.ttft_ms for a in answers], [down_burst.cpu_s]))
             f.redis.start()
     rows += genai_rows(model, rng, args.requests, prefix_len, bursts)
     print_table(f"{model.name} model, new {prefix_len}-token prefix + {QUESTION_TOKENS}-token questions, sent at once "
                 f"round-robin; {bursts} bursts each; server-side TTFT (og.Engine: in-process, from submission)",
                 ("burst", "prefix computed fleet-wide (x)", "cold alone TTFT ms", "burst TTFT p50 ms",
-                 "burst TTFT p99 ms", "p99 / cold"), rows)
+                 "burst TTFT p99 ms", "p99 / cold", "CPU s to last first token",
+                 f"that / {cores()} cores / cold"), rows)
     print(f"\nanswers differing from cold: {wrong}")
     return 1 if wrong else 0
 

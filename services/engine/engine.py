@@ -491,8 +491,11 @@ class Engine:
 
         def end(outcome: WaitEnd) -> None:
             self.cache_stats.count("lease_waits", outcome.value)
-            log.debug("request %s: waited %.0f ms for another worker's %d blocks: %s, %d arrived", seq.request_id,
-                      (time.perf_counter() - t) * 1e3, run, outcome.value, seq.lookup.hit_blocks)
+            # A wait that ends before every block came means computing what another worker computes
+            # too: worth a line at the default level; the common complete wait is not.
+            level = logging.DEBUG if outcome is WaitEnd.COMPLETE else logging.INFO
+            log.log(level, "request %s: waited %.0f ms for another worker's %d blocks: %s, %d arrived",
+                    seq.request_id, (time.perf_counter() - t) * 1e3, run, outcome.value, seq.lookup.hit_blocks)
             self._fetched(seq, t)
             if own:
                 with self._publish_lock:

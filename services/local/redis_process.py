@@ -101,6 +101,11 @@ class RedisServer:
     def url(self) -> str:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id (a new one after ``kill`` and ``start``)."""
+        return self._process.pid
+
     def client(self) -> redis.Redis:
         tls = {}
         if self.tls:
