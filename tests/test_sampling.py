@@ -35,6 +35,19 @@ def test_top_k_limits_the_candidates():
 
 def reference_sample(config: SamplingConfig, logits: np.ndarray, rng: np.random.Generator) -> int:
     """The sampling rule written plainly: full lexicographic sort (descending logit, then id)."""
+    order, probs = reference_candidates(config, logits)
+    return int(order[rng.choice(order.shape[0], p=probs)])
+
+
+def reference_pick(config: SamplingConfig, logits: np.ndarray, u: float) -> int:
+    """The plain rule for one given draw ``u``, as ``Generator.choice`` turns ``u`` into an index."""
+    order, probs = reference_candidates(config, logits)
+    cdf = np.cumsum(probs)
+    cdf /= cdf[-1]
+    return int(order[np.searchsorted(cdf, u, side="right")])
+
+
+def reference_candidates(config: SamplingConfig, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scaled = logits.astype(np.float64) / config.temperature
     vocab = scaled.shape[0]
     k = config.top_k if 0 < config.top_k < vocab else vocab
@@ -47,7 +60,7 @@ def reference_sample(config: SamplingConfig, logits: np.ndarray, rng: np.random.
     if config.min_p > 0.0:
         keep = int(np.count_nonzero(probs >= config.min_p * probs.max()))
         order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
-    return int(order[rng.choice(order.shape[0], p=probs)])
+    return order, probs
 
 
 def test_sampler_equals_the_plain_rule_including_ties():
@@ -67,3 +80,52 @@ def test_sampler_equals_the_plain_rule_including_ties():
                        SamplingConfig(temperature=3.0, min_p=0.001, seed=trial)]:
             sampler, reference_rng = Sampler(config), np.random.default_rng(config.seed)
             assert [sampler(logits) for _ in range(8)] == [reference_sample(config, logits, reference_rng) for _ in range(8)]
+
+
+class FixedDraw:
+    """Stands in for a sampler's generator: every draw is ``u``."""
+
+    def __init__(self, u: float) -> None:
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
+def test_sampler_equals_the_plain_rule_around_its_heads():
+    """Vocabularies at and around the 64- and 1,024-id heads, ties at the 64th logit, float16 and
+    float64 logits, a temperature far below 1 (float64 logits near 1000 that differ by 1e-3: a
+    total rounded to float32 picked the wrong token there), and a top_p within rounding of 1."""
+    rng = np.random.default_rng(11)
+    cases = []
+    for vocab in (63, 64, 65, 100, 1024, 1025, 3000):
+        for dtype in (np.float16, np.float32, np.float64):
+            logits = np.round(rng.standard_normal(vocab) * 2, 1).astype(dtype)
+            if vocab > 70:
+                logits[np.argsort(-logits)[60:70]] = np.sort(logits)[::-1][63]  # ties across the 64th
+            cases.append(logits)
+    cases.append(1000 + 1e-3 * np.random.default_rng(4).standard_normal(800))
+    for trial, logits in enumerate(cases):
+        for config in [SamplingConfig(temperature=1.0, seed=trial), SamplingConfig(temperature=1e-4, seed=trial),
+                       SamplingConfig(temperature=0.8, top_p=0.9, seed=trial),
+                       SamplingConfig(temperature=1.0, top_p=float(np.nextafter(1.0, 0.0)), seed=trial),
+                       SamplingConfig(temperature=1.5, min_p=0.05, seed=trial)]:
+            sampler, reference_rng = Sampler(config), np.random.default_rng(config.seed)
+            assert [sampler(logits) for _ in range(6)] == [reference_sample(config, logits, reference_rng)
+                                                          for _ in range(6)], (trial, config)
+
+
+def test_a_draw_at_a_boundary_picks_what_the_plain_rule_picks():
+    """A draw within a hair of a cumulative boundary inside the first head: the head's total is
+    summed in float32, so the head leaves such a draw to the exactly sorted vocabulary."""
+    rng = np.random.default_rng(5)
+    config = SamplingConfig(temperature=1.0)
+    for vocab in (800, 5000):
+        logits = (rng.standard_normal(vocab) * 3).astype(np.float32)
+        order, probs = reference_candidates(config, logits)
+        cdf = np.cumsum(probs) / probs.sum()
+        for i in (0, 3, 17, 40):
+            for u in (cdf[i] - 1e-9, cdf[i], cdf[i] + 1e-9):
+                sampler = Sampler(config)
+                sampler._rng = FixedDraw(float(u))
+                assert sampler(logits) == reference_pick(config, logits, float(u)), (vocab, i, u)
