@@ -8,10 +8,12 @@ prefix, and how late is the slowest first token against one cold request alone?
 - TTFT p50 / p99 (server-side, ms) of the burst's requests against the median TTFT of the same
   prompt shape sent alone, cold, to the idle fleet just before each burst;
 - CPU to the last first token: the CPU seconds that the workers, Redis and this client used
-  together from sending the burst until its last first token arrived, and that divided by the
-  cores this machine gives them, against the cold TTFT: with the replicas on one machine, the
-  burst's p99 cannot beat that ratio however the work is scheduled (replicas of a real fleet each
-  have their own cores).
+  together from sending the burst until its last first token arrived here, and that divided by
+  the cores this machine gives them, against the cold TTFT: how long that work takes with every
+  core busy. With the replicas on one machine, a p99 / cold close to it means the burst kept the
+  cores busy to its end, and it was the work, not the waiting, that set its p99 (replicas of a
+  real fleet each have their own cores). It counts all work done by then, some of which no first
+  token needed (earlier requests' next tokens, publishes), so it is not a strict bound.
 
 Each replica count ends with one more burst while Redis is down: it must complete with the same
 answers and nobody waiting for a lease; each worker computes the prefix at most once per request
@@ -85,7 +87,8 @@ async def ask(stub: pb_grpc.GeneratorStub, prompt: list[int], first: Callable[[]
 
 def send_burst(f: Fleet, prompts: list[list[int]]) -> Burst:
     """Sends every prompt at once, prompt i to replica i mod R."""
-    cpu = ProcessCpu([*(w.pid for w in f.workers), f.redis.pid, os.getpid()])
+    pids = [*(w.pid for w in f.workers), os.getpid(), *([f.redis.pid] if f.redis.pid is not None else [])]
+    cpu: ProcessCpu | None = None
     firsts, cpu_s = 0, 0.0
 
     def first() -> None:
@@ -95,10 +98,11 @@ def send_burst(f: Fleet, prompts: list[list[int]]) -> Burst:
             cpu_s = cpu.used()
 
     async def run() -> list[Answer]:
+        nonlocal cpu
         channels = [grpc.aio.insecure_channel(w.target) for w in f.workers]
         try:
             stubs = [pb_grpc.GeneratorStub(c) for c in channels]
-            cpu.mark()
+            cpu = ProcessCpu(pids)
             return list(await asyncio.gather(*(ask(stubs[i % len(stubs)], p, first) for i, p in enumerate(prompts))))
         finally:
             for channel in channels:

@@ -18,8 +18,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 class ProcessCpu:
-    """CPU seconds used by ``pids`` together since ``mark``; the resolution is one clock tick (10 ms).
-    A process that has exited (a Redis stopped on purpose) counts what it had used when last read."""
+    """CPU seconds used by ``pids`` together since it was made, to one clock tick per process
+    (``1 / SC_CLK_TCK`` s, 10 ms on Linux). A process that exits meanwhile counts what it had used
+    when last read."""
 
     def __init__(self, pids: Sequence[int]) -> None:
         self._last = dict.fromkeys(pids, 0.0)
@@ -32,9 +33,6 @@ class ProcessCpu:
             except (FileNotFoundError, ProcessLookupError):
                 pass
         return sum(self._last.values())
-
-    def mark(self) -> None:
-        self._start = self._total()
 
     def used(self) -> float:
         return self._total() - self._start

@@ -155,6 +155,8 @@ class EngineOptions:
 MAX_DERIVED_BATCH = 64
 LEASE_SLACK_MS = 500
 """A lease lives twice the holder's expected time to compute its run, plus this (ms)."""
+EARLY_WAIT_ENDS = frozenset({WaitEnd.STALLED, WaitEnd.SLOWER, WaitEnd.RELEASED})
+"""Lease waits that end with blocks of the run missing, which this worker then computes itself."""
 MAX_STOP_TOKEN_IDS = 64
 PROMPT_LOGPROBS_PER_CHUNK = 64
 """Prompt log-probabilities per chunk: with 20 alternatives each, about 20 KB a message."""
@@ -491,11 +493,13 @@ class Engine:
 
         def end(outcome: WaitEnd) -> None:
             self.cache_stats.count("lease_waits", outcome.value)
-            # A wait that ends before every block came means computing what another worker computes
-            # too: worth a line at the default level; the common complete wait is not.
-            level = logging.DEBUG if outcome is WaitEnd.COMPLETE else logging.INFO
-            log.log(level, "request %s: waited %.0f ms for another worker's %d blocks: %s, %d arrived",
-                    seq.request_id, (time.perf_counter() - t) * 1e3, run, outcome.value, seq.lookup.hit_blocks)
+            # A wait given up on (the holder stalled, looked slower than computing, or let go early)
+            # means computing what another worker computes too: worth a line at the default level.
+            # Complete and cancelled waits are not, and a failed poll has logged its exception.
+            level = logging.INFO if outcome in EARLY_WAIT_ENDS else logging.DEBUG
+            log.log(level, "request %s: waited %.0f ms for another worker's %d blocks: %s, %d arrived%s",
+                    seq.request_id, (time.perf_counter() - t) * 1e3, run, outcome.value, seq.lookup.hit_blocks,
+                    f" ({wait.detail})" if wait.detail else "")
             self._fetched(seq, t)
             if own:
                 with self._publish_lock:
@@ -503,7 +507,7 @@ class Engine:
             done()
 
         self.cache_stats.add(blocks_awaited=run)
-        self.waits.add(RunWait(
+        wait = RunWait(
             fetch_more=lambda: self._fetch_more(seq, size, receiver),
             missing=lambda: len(seq.lookup.hashes) - seq.lookup.hit_blocks,
             held=lambda: self.store.holder(key) == holder,
@@ -513,7 +517,8 @@ class Engine:
             first_stall_s=max(stall_ms, factor * pace.expected_ms(run * size)) / 1e3,
             pace_blocks=-(-2 * chunk // size),
             on_end=end,
-        ))
+        )
+        self.waits.add(wait)
         return False
 
     def _fetch_more(self, seq: Sequence, block_size: int, receiver: Callable[[int, np.ndarray], bool] | None) -> int:

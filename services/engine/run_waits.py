@@ -119,6 +119,8 @@ class RunWait:
     """time.monotonic() when the first blocks arrived: the holder's pace is measured from there
     (before, it may have been computing for a while, or just starting)."""
     first_batch: int = 0
+    detail: str = ""
+    """Why a wait ended early, in numbers (ms), for the log."""
 
 
 class RunWaits:
@@ -191,12 +193,18 @@ class RunWaits:
         missing = wait.missing()
         if not missing:
             return WaitEnd.COMPLETE
-        if now - wait.last_progress >= (wait.stall_s if wait.first_arrival is not None else wait.first_stall_s):
+        bound = wait.stall_s if wait.first_arrival is not None else wait.first_stall_s
+        if now - wait.last_progress >= bound:
+            wait.detail = f"nothing new for {(now - wait.last_progress) * 1e3:.0f} ms (bound {bound * 1e3:.0f})"
             return WaitEnd.STALLED
         since_first = wait.received - wait.first_batch
-        judged = since_first > 0 and now - wait.first_arrival >= wait.compute_s(wait.pace_blocks)
-        if judged and missing * (now - wait.first_arrival) / since_first > wait.compute_s(missing):
-            return WaitEnd.SLOWER
+        if since_first > 0 and now - wait.first_arrival >= wait.compute_s(wait.pace_blocks):
+            waiting, computing = missing * (now - wait.first_arrival) / since_first, wait.compute_s(missing)
+            if waiting > computing:
+                wait.detail = (f"{missing} missing blocks in {waiting * 1e3:.0f} ms at the holder's pace "
+                               f"({since_first} blocks in {(now - wait.first_arrival) * 1e3:.0f} ms) against "
+                               f"{computing * 1e3:.0f} ms computing them here, wait factor included")
+                return WaitEnd.SLOWER
         if not wait.held():
             # The holder publishes its last blocks before it releases: one more read decides.
             wait.fetch_more()

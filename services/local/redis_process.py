@@ -102,9 +102,9 @@ class RedisServer:
         return f"{'rediss' if self.tls else 'redis'}://127.0.0.1:{self.port}"
 
     @property
-    def pid(self) -> int:
-        """The running server's process id (a new one after ``kill`` and ``start``)."""
-        return self._process.pid
+    def pid(self) -> int | None:
+        """The running server's process id (a new one after ``kill`` and ``start``); None when stopped."""
+        return self._process.pid if self._process is not None and self._process.poll() is None else None
 
     def client(self) -> redis.Redis:
         tls = {}
