@@ -43,8 +43,8 @@ class Sampler:
         mass sits in a few dozen tokens, so only the best ``HEADS[0]`` are sorted first, then the
         best ``HEADS[1]``; the whole vocabulary is sorted only when the draw or a filter reaches
         past them, or lands within rounding of a boundary (same draw, same token either way).
-        Sorting 49k ids took 2.9 ms a row, most of a batched decode step; at 8k ids the 1,024-id
-        head took 0.22 ms and the 64-id one 0.11 ms."""
+        Sorting 49k ids took 2.9 ms a row, most of a batched decode step; on peaked logits at 8k
+        ids the 1,024-id head alone took 0.15 ms a row, the 64-id one first 0.08 ms."""
         if self.config.greedy:
             return int(np.argmax(logits))
         u = self._rng.random()
