@@ -430,3 +430,36 @@ def test_one_rows_end_never_ends_another_rows_lease(redis_url):
     assert tokens.classify(b"another-worker.0", second) is Claim.OTHER_WORKER
     HeldLeases(store, second, 10_000, ["kvshare:v1:lease:z"]).end()
     assert store.holder("kvshare:v1:lease:z") == first
+
+
+@pytest.mark.parametrize("layout", [KVLayout.SEPARATE, KVLayout.COMBINED])
+def test_a_waiter_that_gave_up_takes_the_blocks_published_meanwhile(model_dirs, layout, redis_server, redis_url):
+    """A waiter that stops waiting for the holder's blocks computes them itself, but before each
+    chunk it looks in the store for the blocks it is about to compute (the holder is usually ahead
+    of it). Here the holder's first block never comes and every later one is in the store: the
+    waiter computes one chunk, takes the rest, and answers as cold (on shared-buffer rows and on
+    per-row caches)."""
+    store = open_store(redis_url, StoreOptions(), CacheStats())
+    engine = make_engine(model_dirs["tiny", layout], store, cache_dtype="float32", max_prefill_tokens_per_step=32,
+                         leases=LeaseOptions(wait_factor=1, first_ms_per_token=1))
+    try:
+        prefix, (question,) = prefix_and_questions(1, seed=31)
+        ids = prefix + question
+        asyncio.run(run_stream(engine, request(ids, n=1)))  # every full block of the prompt published
+        asyncio.run(engine.wait_for_publishes())
+        hashes = block_hashes(engine.namespace(""), ids)
+        with redis_server.client() as client:
+            client.delete(block_key(hashes[0]))
+            client.set(lease_of(engine, ids, 0), b"a-worker-not-there-yet", px=60_000)
+            before = engine.scheduler.stats.prefill_tokens
+            tokens, _, last = asyncio.run(run_stream(engine, request(ids, n=8)))
+            client.delete(lease_of(engine, ids, 0))
+        computed = engine.scheduler.stats.prefill_tokens - before
+        assert engine.cache_stats.lease_waits.keys() & {"stalled", "slower"}
+        cached = min(len(hashes) * B, len(ids) - 1)
+        assert computed == 32 + len(ids) - cached, "one chunk computed, the blocks after it taken from the store"
+        assert engine.scheduler.stats.adopted_tokens == cached - 32
+        assert last.usage.cached_prompt_tokens == cached - 32
+        assert tokens == alone(engine, request(ids, n=8))[0]
+    finally:
+        engine.close()

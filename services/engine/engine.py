@@ -74,7 +74,7 @@ from services.engine.run_waits import (
 )
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
-from services.engine.sequence import Sequence, SequenceGroup
+from services.engine.sequence import Sequence, SequenceGroup, Trail
 from services.engine.stop_matcher import StopMatcher
 from services.engine.text_stream import TextStream
 from services.errors import (
@@ -493,6 +493,8 @@ class Engine:
 
         def end(outcome: WaitEnd) -> None:
             self.cache_stats.count("lease_waits", outcome.value)
+            if outcome in (WaitEnd.STALLED, WaitEnd.SLOWER):  # the holder may still publish ahead of this row
+                seq.trail = Trail(key, holder)
             # A wait given up on (the holder stalled, looked slower than computing, or let go early)
             # means computing what another worker computes too: worth a line at the default level.
             # Complete and cancelled waits are not, and a failed poll has logged its exception.
@@ -508,7 +510,7 @@ class Engine:
 
         self.cache_stats.add(blocks_awaited=run)
         wait = RunWait(
-            fetch_more=lambda: self._fetch_more(seq, size, receiver),
+            fetch_more=lambda: self._fetch_more(seq.lookup, size, receiver),
             missing=lambda: len(seq.lookup.hashes) - seq.lookup.hit_blocks,
             held=lambda: self.store.holder(key) == holder,
             cancelled=lambda: seq.aborted or seq.done,
@@ -521,12 +523,49 @@ class Engine:
         self.waits.add(wait)
         return False
 
-    def _fetch_more(self, seq: Sequence, block_size: int, receiver: Callable[[int, np.ndarray], bool] | None) -> int:
+    def look_ahead(self, seq: Sequence) -> Future:
+        """For a row on a ``Trail``, between two chunks: waits on the waits' thread for the blocks
+        from the row's next one on, until the next chunk's blocks are all there, the holder lets go
+        of its lease, or nothing came for as long as computing that chunk would take the row now
+        (wait factor included, at what its latest chunk cost). The future holds the blocks that
+        came, the prompt tokens the row holds with them and whether the whole next chunk came; or
+        None when nothing did."""
+        result: Future = Future()
+        size = seq.namespace.block_size
+        if seq.cache.skip_read or seq.prefilled % size:
+            result.set_result(None)
+            return result
+        found = PrefixLookup(hashes=seq.lookup.hashes, blocks=[], hit_blocks=seq.prefilled // size)
+        trail, factor = seq.trail, self.options.leases.wait_factor
+        ms_per_token = trail.ms_per_token or self.scheduler.pace.ms_per_token
+        chunk_blocks = -(-self.scheduler.options.max_prefill_tokens_per_step // size)
+        wanted = min(found.hit_blocks + chunk_blocks, len(found.hashes))
+        bound_s = max(MIN_STALL_MS, factor * ms_per_token * chunk_blocks * size) / 1e3
+
+        def end(outcome: WaitEnd) -> None:
+            tokens = self.cached_tokens(found.hit_blocks, size, len(seq.prompt))
+            result.set_result((found.blocks, tokens, outcome is WaitEnd.COMPLETE) if tokens > seq.prefilled else None)
+
+        self.waits.add(RunWait(
+            fetch_more=lambda: self._fetch_more(found, size, None),
+            missing=lambda: max(0, wanted - found.hit_blocks),
+            held=lambda: self.store.holder(trail.key) == trail.holder,
+            cancelled=lambda: seq.aborted or seq.done,
+            compute_s=lambda blocks: factor * ms_per_token * blocks * size / 1e3,
+            stall_s=bound_s,
+            first_stall_s=bound_s,
+            pace_blocks=chunk_blocks,
+            on_end=end,
+        ))
+        return result
+
+    def _fetch_more(self, found: PrefixLookup, block_size: int, receiver: Callable[[int, np.ndarray], bool] | None
+                    ) -> int:
         """One poll of a wait: the next missing block alone (most polls find nothing: one GET, not
         one per missing block), then, once it came, every block that follows it."""
-        arrived = self.prefix.extend(seq.lookup, block_size, receiver, limit=1)
+        arrived = self.prefix.extend(found, block_size, receiver, limit=1)
         if arrived:
-            arrived += self.prefix.extend(seq.lookup, block_size, receiver)
+            arrived += self.prefix.extend(found, block_size, receiver)
         self.cache_stats.add(blocks_received=arrived)
         return arrived
 
@@ -686,6 +725,7 @@ class Engine:
         self._in_background(0, lambda: lambda: (_after(earlier), self.store.delete(keys)))
         self.release_leases([seq])
         seq.lookup = PrefixLookup(hashes=seq.lookup.hashes, blocks=[])
+        seq.trail = None
         seq.prefilled = seq.usage.cached_prompt_tokens = seq.published_blocks = 0
         seq.usage.encoder_cache_hit = False
         seq.cross_kv = None

@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -47,6 +47,8 @@ from services.runtime.slots import SlotBank
 log = logging.getLogger(__name__)
 IDLE_RECHECK_S = 0.05
 MIN_PACE_TOKENS = 32
+TRAIL_MISSES = 2
+"""Waits in a row that bring nothing before a ``Trail`` ends (the holder is gone or behind)."""
 """Prefill chunks shorter than this do not move the measured pace."""
 
 
@@ -88,6 +90,9 @@ class SchedulerStats:
     prefix, instead of being computed again (in-worker single-flight)."""
     shared_waits: int = 0
     """Steps a prefilling sequence sat out because another row was about to hold its prefix."""
+    adopted_tokens: int = 0
+    """Prompt tokens taken from blocks another worker published after this one stopped waiting
+    for them (``Trail``), instead of being computed twice."""
 
 
 @dataclass(slots=True)
@@ -101,10 +106,13 @@ class StepPlan:
     share: list[tuple[Sequence, Sequence, int]] = field(default_factory=list)
     """(sequence, row, tokens): the sequence's prompt up to ``tokens`` is copied from the other
     row, which holds it, before the step's model runs."""
+    adopt: list[tuple[Sequence, list[np.ndarray], int]] = field(default_factory=list)
+    """(sequence, blocks, tokens): blocks another worker published since the sequence stopped
+    waiting for them (``Trail``) go into its slot after what it holds, up to ``tokens``."""
 
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill and not self.share and not self.assemble
+        return not self.decode and not self.prefill and not self.share and not self.assemble and not self.adopt
 
 
 class Hooks(Protocol):
@@ -121,6 +129,12 @@ class Hooks(Protocol):
     def prefilled(self, seq: Sequence) -> None:
         """On the scheduler thread, after each prompt chunk whose logits are finite: copies out the
         blocks completed so far, to publish (and, after the last chunk, ends the sequence's lease)."""
+
+    def look_ahead(self, seq: Sequence) -> Future:
+        """For a row on a ``Trail``, between two chunks: waits elsewhere, at most about as long as
+        computing its next chunk would take it, for the blocks from its next one on. The future
+        holds those blocks, the prompt tokens the row holds with them and whether the whole next
+        chunk came, or None when nothing came; it never fails (a store error brings nothing)."""
 
     def finished(self, seq: Sequence) -> None:
         """On the scheduler thread, when a sequence ends by EOS, a stop token or its length, before
@@ -322,6 +336,8 @@ class Scheduler:
                 held = self._plan_share(seq, plan)
                 if held is None or held == len(seq.prompt):
                     continue
+                if seq.trail is not None and held == seq.prefilled and not self._looked(seq, plan):
+                    continue
                 n = min(budget, len(seq.prompt) - held)
                 plan.prefill.append((seq, n))
                 budget -= n
@@ -372,6 +388,35 @@ class Scheduler:
             return None
         return seq.prefilled
 
+    def _looked(self, seq: Sequence, plan: StepPlan) -> bool:
+        """Whether a row on a ``Trail`` may compute its next chunk this step (lock held): once a
+        wait for the holder's blocks since its last chunk brought less than a chunk in time.
+        Otherwise it starts that wait, or sits out while it runs; what came goes into its slot
+        (``plan.adopt``) first, and a wait that brought the whole chunk is followed by another."""
+        trail = seq.trail
+        if trail.looked:
+            return True
+        if trail.look is None:
+            trail.look = self._hooks.look_ahead(seq)
+            trail.look.add_done_callback(lambda _: self.wake())
+            return False
+        if not trail.look.done():
+            return False
+        found = trail.look.result() if trail.look.exception() is None else None
+        trail.look = None
+        if found is not None:
+            blocks, tokens, kept_up = found
+            plan.adopt.append((seq, blocks, tokens))
+            if kept_up:  # the holder delivered the whole chunk in time: wait again
+                trail.misses = 0
+                return False
+        # Nothing, or less than a chunk, came in time: the next chunk is computed here.
+        trail.looked = True
+        trail.misses += 1
+        if trail.misses >= TRAIL_MISSES:
+            seq.trail = None
+        return found is None
+
     def execute(self, plan: StepPlan) -> None:
         """Copies shared prefixes, runs the decode batch, then the prefill chunks; each finished
         run's tokens go out at once."""
@@ -386,6 +431,12 @@ class Scheduler:
                 self._share(seq, row, tokens)
             except Exception as exc:  # noqa: BLE001
                 log.exception("copying a shared prefix failed for request %s", seq.request_id)
+                self._fail_all([seq], exc)
+        for seq, blocks, tokens in plan.adopt:
+            try:
+                self._adopt(seq, blocks, tokens)
+            except Exception as exc:  # noqa: BLE001
+                log.exception("copying blocks published meanwhile failed for request %s", seq.request_id)
                 self._fail_all([seq], exc)
         if plan.decode:
             try:
@@ -449,6 +500,20 @@ class Scheduler:
         self.stats.shared_tokens += copied
         seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
 
+    def _adopt(self, seq: Sequence, blocks: list[np.ndarray], tokens: int) -> None:
+        """Puts blocks that another worker published (``Trail``) after the sequence's tokens, up to
+        ``tokens``: neither computed nor fetched again by anyone, counted as cached."""
+        if seq.done or tokens <= seq.prefilled:
+            return
+        t = time.perf_counter()
+        copied = tokens - seq.prefilled
+        self.slots.append(seq.slot, blocks, tokens)
+        seq.prefilled = tokens
+        seq.usage.cached_prompt_tokens += copied
+        seq.published_blocks = max(seq.published_blocks, tokens // seq.namespace.block_size)
+        self.stats.adopted_tokens += copied
+        seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
+
     def _prefill(self, seq: Sequence, n: int) -> np.ndarray | None:
         """Runs the next ``n`` prompt tokens of ``seq``; the logits once the prompt is done, else None."""
         t = time.perf_counter()
@@ -466,6 +531,8 @@ class Scheduler:
             seq.prompt_logprobs += token_logprobs(positions[: len(predicted)], predicted, seq.top_logprobs)
             logits = positions[-1]
         seq.prefilled += n
+        if seq.trail is not None:
+            seq.trail.looked, seq.trail.ms_per_token = False, (time.perf_counter() - t_run) * 1e3 / n
         self.stats.prefill_runs += 1
         self.stats.prefill_tokens += n
         end = time.perf_counter()

@@ -66,6 +66,32 @@ class SequenceGroup:
 
 
 @dataclass(slots=True, eq=False)
+class Trail:
+    """A row whose wait for another worker's blocks ended before they all came (the holder looked
+    stalled or slower than computing) computes them itself, one chunk at a time; before each
+    further chunk it waits for the holder's blocks again, but only as long as computing that chunk
+    takes it now (the cost of the chunk it just computed, under the load it shares). What comes
+    it takes; when the whole chunk came in time it waits again, else it computes the next chunk.
+    A holder that only looked slow, because the machine was busy, is followed again; one that is
+    really behind costs a short wait per chunk and never sets the row's pace. Two waits in a row
+    that bring less than a chunk end the trail."""
+
+    key: str
+    """The lease the row stopped waiting on, and its holder's token."""
+    holder: bytes
+    look: Future | None = None
+    """The wait in flight: ``(blocks, tokens)`` that came, or None."""
+    looked: bool = True
+    """Whether a wait since the row's last chunk brought less than a chunk (it computes the next
+    one). True at the start: the wait that just ended did, so the first chunk comes first."""
+    misses: int = 0
+    """Waits in a row that brought less than a chunk."""
+    ms_per_token: float = 0.0
+    """What the row's latest chunk cost (ms per prompt token): the next wait's bound. Not the
+    worker's smoothed pace, which lags a machine that has just become busy."""
+
+
+@dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
     prompt: list[int]
@@ -116,6 +142,8 @@ class Sequence:
     lease: HeldLeases | None = None
     """The leases this row holds on computing the prompt's uncached blocks, until its prompt is
     done (or it ends)."""
+    trail: Trail | None = None
+    """Set when its wait for another worker's blocks ended early (see ``Trail``)."""
     assembled: bool = False
     """Whether the cached blocks (and cross K/V) are in the slot yet."""
     next_token: int = -1

@@ -132,6 +132,13 @@ class SharedSlots(_Bank):
         """A copy of tokens ``start .. end`` of the slot, canonical ``[layers, 2, kv_heads, n, head]``."""
         return np.ascontiguousarray(self._kv[:, :, slot.index, :, start:end])
 
+    def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int) -> None:
+        """Copies cached ``blocks`` (canonical, any storage dtype) after the slot's tokens, up to
+        ``tokens`` in all (between runs, on the scheduler thread)."""
+        assert tokens <= slot.capacity, "append past the slot's capacity"
+        blocks_into(self._kv[:, :, slot.index, :, slot.length : tokens], blocks, tokens - slot.length)
+        self._set_length(slot, tokens)
+
     def _set_length(self, slot: Slot, length: int) -> None:
         slot.length = length
         self._lengths[slot.index] = length
@@ -266,6 +273,15 @@ class SequenceSlots(_Bank):
 
     def canonical(self, slot: Slot, start: int, end: int) -> np.ndarray:
         return self.session.to_canonical(slot.cache, end)[:, :, :, start:end]
+
+    def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int) -> None:
+        """The slot's tokens and then cached ``blocks``, up to ``tokens`` in all, in a new cache;
+        the cross-attention K/V stays."""
+        cross = slot.cache.cross
+        slot.cache = self.session.cache_from_blocks([self.session.to_canonical(slot.cache, slot.length), *blocks],
+                                                    tokens, slot.capacity)
+        slot.cache.cross = cross
+        slot.length = tokens
 
     def prefill(self, slot: Slot, token_ids: Sequence[int], all_positions: bool = False) -> np.ndarray:
         logits, slot.cache = self.session.run(token_ids, slot.cache, all_positions=all_positions)
