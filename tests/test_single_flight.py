@@ -5,7 +5,9 @@ wrong or a wait unbounded: a dead holder, a forged lease, Redis down. Real ONNX 
 real worker processes, a real redis-server; every case waits for states, never for durations."""
 
 import asyncio
+import threading
 import time
+from concurrent.futures import Future
 
 import grpc
 import numpy as np
@@ -463,3 +465,79 @@ def test_a_waiter_that_gave_up_takes_the_blocks_published_meanwhile(model_dirs, 
         assert tokens == alone(engine, request(ids, n=8))[0]
     finally:
         engine.close()
+
+
+class _HeldLeases(MemoryStore):
+    """A MemoryStore whose leases a test can hold for another worker (they never expire)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(max_bytes)
+        self.leases: dict[str, bytes] = {}
+
+    def claim(self, key, token, ttl_ms):
+        return self.leases.setdefault(key, token)
+
+    def holder(self, key):
+        return self.leases.get(key)
+
+    def release(self, key, token):
+        if self.leases.get(key) == token:
+            del self.leases[key]
+
+
+@pytest.mark.parametrize("layout", [KVLayout.SEPARATE, KVLayout.COMBINED])
+def test_what_a_look_brought_goes_only_where_the_row_stood_when_it_began(model_dirs, layout):
+    """A row on a trail looks for the holder's blocks from position 32; while the look is held
+    back, a later request with the same first 3 blocks arrives and the row copies block 2 from it
+    and computes on. The blocks the look then brings start at 32, not where the row now stands:
+    they are dropped (the next look brings them again), and the answer equals cold."""
+    store = _HeldLeases(64 << 20)
+    engine = make_engine(model_dirs["tiny", layout], store, cache_dtype="float32", max_prefill_tokens_per_step=32,
+                         leases=LeaseOptions(wait_factor=1, first_ms_per_token=1))
+    try:
+        ids = prompt(PREFIX, 31) + prompt(B // 2, 131)
+        other = ids[: 3 * B] + prompt(20, 999)
+        cold = alone(engine, request(ids, n=8))[0]
+        asyncio.run(run_stream(engine, request(ids, n=8)))
+        asyncio.run(engine.wait_for_publishes())
+        hashes = block_hashes(engine.namespace(""), ids)
+        store.delete([block_key(hashes[0])])
+        store.leases[lease_key(hashes[0])] = b"a-worker-not-there-yet"
+        gate, looks, real = threading.Event(), [], engine.look_ahead
+
+        def held_back(seq):
+            inner, out = real(seq), Future()
+            looks.append(seq.prefilled)
+            first = len(looks) == 1
+            threading.Thread(target=lambda: (first and gate.wait(), out.set_result(inner.result())),
+                             daemon=True).start()
+            return out
+
+        engine.look_ahead = held_back
+
+        def row():
+            return next((s for s in engine.scheduler.active if s.prompt == ids), None)
+
+        async def scenario():
+            x = asyncio.create_task(run_stream(engine, request(ids, n=8)))
+            await until(lambda: len(looks) == 1)
+            assert row().prefilled == 32
+            w = asyncio.create_task(run_stream(engine, request(other, n=4)))
+            await until(lambda: row() is not None and row().prefilled > 3 * B)
+            gate.set()
+            return await x, await w
+
+        (tokens, _, last), _ = asyncio.run(scenario())
+        assert looks[0] == 32 and len(looks) >= 2
+        assert engine.scheduler.stats.adopted_tokens == PREFIX - looks[1], "only the look that began where the row stood"
+        assert tokens == cold
+    finally:
+        engine.close()
+
+
+async def until(done, timeout_s: float = 60.0) -> None:
+    """Waits for a state (a bound only against a hang, never a duration the test relies on)."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
+        assert time.monotonic() < deadline, "the state was never reached"
+        await asyncio.sleep(0.005)

@@ -71,6 +71,10 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvshare_prefill_shared_tokens",
                                   "Prompt tokens copied from another request of this worker holding the same prefix.",
                                   value=stats.shared_tokens)
+        yield CounterMetricFamily("kvshare_prefill_adopted_tokens",
+                                  "Prompt tokens taken from blocks another worker published after this one stopped "
+                                  "waiting for them, instead of computing them too.",
+                                  value=stats.adopted_tokens)
         yield GaugeMetricFamily("kvshare_lease_waiting", "Requests waiting for blocks another worker is computing.",
                                 value=engine.waits.waiting)
         waits = CounterMetricFamily("kvshare_lease_waits", "Waits for another worker's blocks, by how they ended.",

@@ -74,7 +74,7 @@ from services.engine.run_waits import (
 )
 from services.engine.sampling import Sampler
 from services.engine.scheduler import Scheduler, SchedulerOptions
-from services.engine.sequence import Sequence, SequenceGroup, Trail
+from services.engine.sequence import Ahead, Sequence, SequenceGroup, Trail
 from services.engine.stop_matcher import StopMatcher
 from services.engine.text_stream import TextStream
 from services.errors import (
@@ -527,31 +527,37 @@ class Engine:
         """For a row on a ``Trail``, between two chunks: waits on the waits' thread for the blocks
         from the row's next one on, until the next chunk's blocks are all there, the holder lets go
         of its lease, or nothing came for as long as computing that chunk would take the row now
-        (wait factor included, at what its latest chunk cost). The future holds the blocks that
-        came, the prompt tokens the row holds with them and whether the whole next chunk came; or
-        None when nothing did."""
+        (wait factor included, at what its latest chunk cost; at least two polls). The future
+        holds an ``Ahead`` (kept up: the whole chunk came, and no later than computing what came
+        would have taken), or None when nothing came."""
         result: Future = Future()
-        size = seq.namespace.block_size
-        if seq.cache.skip_read or seq.prefilled % size:
+        size, start = seq.namespace.block_size, seq.prefilled
+        hashes = seq.lookup.hashes
+        if seq.cache.skip_read or start % size or start // size >= len(hashes):
             result.set_result(None)
             return result
-        found = PrefixLookup(hashes=seq.lookup.hashes, blocks=[], hit_blocks=seq.prefilled // size)
-        trail, factor = seq.trail, self.options.leases.wait_factor
+        found = PrefixLookup(hashes=hashes, blocks=[], hit_blocks=start // size)
+        trail, leases = seq.trail, self.options.leases
         ms_per_token = trail.ms_per_token or self.scheduler.pace.ms_per_token
         chunk_blocks = -(-self.scheduler.options.max_prefill_tokens_per_step // size)
-        wanted = min(found.hit_blocks + chunk_blocks, len(found.hashes))
-        bound_s = max(MIN_STALL_MS, factor * ms_per_token * chunk_blocks * size) / 1e3
+        wanted = min(found.hit_blocks + chunk_blocks, len(hashes))
+        bound_s = max(2 * leases.poll_ms, leases.wait_factor * ms_per_token * chunk_blocks * size) / 1e3
+        began = time.monotonic()
 
         def end(outcome: WaitEnd) -> None:
             tokens = self.cached_tokens(found.hit_blocks, size, len(seq.prompt))
-            result.set_result((found.blocks, tokens, outcome is WaitEnd.COMPLETE) if tokens > seq.prefilled else None)
+            if tokens <= start:
+                result.set_result(None)
+                return
+            in_time = time.monotonic() - began <= leases.wait_factor * ms_per_token * (tokens - start) / 1e3
+            result.set_result(Ahead(start, found.blocks, tokens, outcome is WaitEnd.COMPLETE and in_time))
 
         self.waits.add(RunWait(
             fetch_more=lambda: self._fetch_more(found, size, None),
             missing=lambda: max(0, wanted - found.hit_blocks),
             held=lambda: self.store.holder(trail.key) == trail.holder,
             cancelled=lambda: seq.aborted or seq.done,
-            compute_s=lambda blocks: factor * ms_per_token * blocks * size / 1e3,
+            compute_s=lambda blocks: leases.wait_factor * ms_per_token * blocks * size / 1e3,
             stall_s=bound_s,
             first_stall_s=bound_s,
             pace_blocks=chunk_blocks,

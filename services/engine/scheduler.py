@@ -40,16 +40,17 @@ import numpy as np
 from services.engine.generation import FinishReason
 from services.engine.logprobs import log_softmax, token_logprobs
 from services.engine.run_waits import PrefillPace
-from services.engine.sequence import Phase, Sequence, SequenceGroup
+from services.engine.sequence import Ahead, Phase, Sequence, SequenceGroup
 from services.errors import NumericalError, Overloaded
 from services.runtime.slots import SlotBank
 
 log = logging.getLogger(__name__)
 IDLE_RECHECK_S = 0.05
 MIN_PACE_TOKENS = 32
-TRAIL_MISSES = 2
-"""Waits in a row that bring nothing before a ``Trail`` ends (the holder is gone or behind)."""
 """Prefill chunks shorter than this do not move the measured pace."""
+TRAIL_MISSES = 2
+"""Waits in a row that bring less than a chunk in time before a ``Trail`` ends (the holder is
+gone or behind)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,9 +107,9 @@ class StepPlan:
     share: list[tuple[Sequence, Sequence, int]] = field(default_factory=list)
     """(sequence, row, tokens): the sequence's prompt up to ``tokens`` is copied from the other
     row, which holds it, before the step's model runs."""
-    adopt: list[tuple[Sequence, list[np.ndarray], int]] = field(default_factory=list)
-    """(sequence, blocks, tokens): blocks another worker published since the sequence stopped
-    waiting for them (``Trail``) go into its slot after what it holds, up to ``tokens``."""
+    adopt: list[tuple[Sequence, Ahead]] = field(default_factory=list)
+    """Blocks another worker published since the sequence stopped waiting for them (``Trail``):
+    they go into its slot after what it holds."""
 
     @property
     def empty(self) -> bool:
@@ -131,10 +132,10 @@ class Hooks(Protocol):
         blocks completed so far, to publish (and, after the last chunk, ends the sequence's lease)."""
 
     def look_ahead(self, seq: Sequence) -> Future:
-        """For a row on a ``Trail``, between two chunks: waits elsewhere, at most about as long as
+        """For a row on a ``Trail``, between two chunks: waits elsewhere, bounded by about what
         computing its next chunk would take it, for the blocks from its next one on. The future
-        holds those blocks, the prompt tokens the row holds with them and whether the whole next
-        chunk came, or None when nothing came; it never fails (a store error brings nothing)."""
+        holds an ``Ahead``, or None when nothing came; it never fails (a store error brings
+        nothing) and may be done already."""
 
     def finished(self, seq: Sequence) -> None:
         """On the scheduler thread, when a sequence ends by EOS, a stop token or its length, before
@@ -392,30 +393,29 @@ class Scheduler:
         """Whether a row on a ``Trail`` may compute its next chunk this step (lock held): once a
         wait for the holder's blocks since its last chunk brought less than a chunk in time.
         Otherwise it starts that wait, or sits out while it runs; what came goes into its slot
-        (``plan.adopt``) first, and a wait that brought the whole chunk is followed by another."""
+        (``plan.adopt``) first, and a wait that kept up is followed by another."""
         trail = seq.trail
         if trail.looked:
             return True
         if trail.look is None:
             trail.look = self._hooks.look_ahead(seq)
-            trail.look.add_done_callback(lambda _: self.wake())
-            return False
+            trail.look.add_done_callback(lambda _: self.wake())  # inline when done already
         if not trail.look.done():
             return False
-        found = trail.look.result() if trail.look.exception() is None else None
+        ahead = trail.look.result() if trail.look.exception() is None else None
         trail.look = None
-        if found is not None:
-            blocks, tokens, kept_up = found
-            plan.adopt.append((seq, blocks, tokens))
-            if kept_up:  # the holder delivered the whole chunk in time: wait again
+        # A row that moved since the wait began (it copied from another row) holds what came.
+        adopting = ahead is not None and ahead.start == seq.prefilled
+        if adopting:
+            plan.adopt.append((seq, ahead))
+            if ahead.kept_up:
                 trail.misses = 0
                 return False
-        # Nothing, or less than a chunk, came in time: the next chunk is computed here.
         trail.looked = True
         trail.misses += 1
         if trail.misses >= TRAIL_MISSES:
             seq.trail = None
-        return found is None
+        return not adopting
 
     def execute(self, plan: StepPlan) -> None:
         """Copies shared prefixes, runs the decode batch, then the prefill chunks; each finished
@@ -432,9 +432,9 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001
                 log.exception("copying a shared prefix failed for request %s", seq.request_id)
                 self._fail_all([seq], exc)
-        for seq, blocks, tokens in plan.adopt:
+        for seq, ahead in plan.adopt:
             try:
-                self._adopt(seq, blocks, tokens)
+                self._adopt(seq, ahead)
             except Exception as exc:  # noqa: BLE001
                 log.exception("copying blocks published meanwhile failed for request %s", seq.request_id)
                 self._fail_all([seq], exc)
@@ -500,17 +500,19 @@ class Scheduler:
         self.stats.shared_tokens += copied
         seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
 
-    def _adopt(self, seq: Sequence, blocks: list[np.ndarray], tokens: int) -> None:
-        """Puts blocks that another worker published (``Trail``) after the sequence's tokens, up to
-        ``tokens``: neither computed nor fetched again by anyone, counted as cached."""
-        if seq.done or tokens <= seq.prefilled:
+    def _adopt(self, seq: Sequence, ahead: Ahead) -> None:
+        """Puts blocks that another worker published (``Trail``) after the sequence's tokens:
+        neither computed nor fetched again by anyone, counted as cached. Only where the wait
+        began: blocks are positions."""
+        if seq.done or ahead.start != seq.prefilled or ahead.tokens <= seq.prefilled:
             return
         t = time.perf_counter()
-        copied = tokens - seq.prefilled
-        self.slots.append(seq.slot, blocks, tokens)
-        seq.prefilled = tokens
+        copied = ahead.tokens - seq.prefilled
+        self.slots.append(seq.slot, ahead.blocks, ahead.tokens)
+        seq.prefilled = ahead.tokens
         seq.usage.cached_prompt_tokens += copied
-        seq.published_blocks = max(seq.published_blocks, tokens // seq.namespace.block_size)
+        seq.published_blocks = max(seq.published_blocks,
+                                   ahead.start // seq.namespace.block_size + len(ahead.blocks))
         self.stats.adopted_tokens += copied
         seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
 
@@ -532,7 +534,9 @@ class Scheduler:
             logits = positions[-1]
         seq.prefilled += n
         if seq.trail is not None:
-            seq.trail.looked, seq.trail.ms_per_token = False, (time.perf_counter() - t_run) * 1e3 / n
+            seq.trail.looked = False
+            if n >= MIN_PACE_TOKENS:
+                seq.trail.ms_per_token = (time.perf_counter() - t_run) * 1e3 / n
         self.stats.prefill_runs += 1
         self.stats.prefill_tokens += n
         end = time.perf_counter()

@@ -80,15 +80,29 @@ class Trail:
     """The lease the row stopped waiting on, and its holder's token."""
     holder: bytes
     look: Future | None = None
-    """The wait in flight: ``(blocks, tokens)`` that came, or None."""
+    """The wait in flight: an ``Ahead``, or None when nothing came."""
     looked: bool = True
     """Whether a wait since the row's last chunk brought less than a chunk (it computes the next
     one). True at the start: the wait that just ended did, so the first chunk comes first."""
     misses: int = 0
     """Waits in a row that brought less than a chunk."""
     ms_per_token: float = 0.0
-    """What the row's latest chunk cost (ms per prompt token): the next wait's bound. Not the
-    worker's smoothed pace, which lags a machine that has just become busy."""
+    """What the row's latest chunk of at least ``MIN_PACE_TOKENS`` cost (ms per prompt token):
+    the next wait's bound. Not the worker's smoothed pace, which lags a machine that has just
+    become busy."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """What a ``Trail``'s wait brought: canonical blocks from prompt token ``start`` on (where the
+    row stood when the wait began), the prompt tokens the row holds with them (capped as cached
+    tokens are: the last prompt token always runs), and whether they came at least as fast as the
+    row would have computed them, wait factor included."""
+
+    start: int
+    blocks: list[np.ndarray]
+    tokens: int
+    kept_up: bool
 
 
 @dataclass(slots=True, eq=False)
