@@ -543,6 +543,7 @@ class Engine:
         wanted = min(found.hit_blocks + chunk_blocks, len(hashes))
         bound_s = max(2 * leases.poll_ms, leases.wait_factor * ms_per_token * chunk_blocks * size) / 1e3
         began = time.monotonic()
+        trail.give_up_at = began + 2 * bound_s
 
         def end(outcome: WaitEnd) -> None:
             tokens = self.cached_tokens(found.hit_blocks, size, len(seq.prompt))

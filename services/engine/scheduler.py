@@ -400,9 +400,12 @@ class Scheduler:
         if trail.look is None:
             trail.look = self._hooks.look_ahead(seq)
             trail.look.add_done_callback(lambda _: self.wake())  # inline when done already
-        if not trail.look.done():
+        if trail.look.done():
+            ahead = trail.look.result() if trail.look.exception() is None else None
+        elif time.monotonic() < trail.give_up_at:
             return False
-        ahead = trail.look.result() if trail.look.exception() is None else None
+        else:  # the store holds the wait's polls up: compute rather than wait on it
+            ahead = None
         trail.look = None
         # A row that moved since the wait began (it copied from another row) holds what came.
         adopting = ahead is not None and ahead.start == seq.prefilled

@@ -81,6 +81,9 @@ class Trail:
     holder: bytes
     look: Future | None = None
     """The wait in flight: an ``Ahead``, or None when nothing came."""
+    give_up_at: float = 0.0
+    """time.monotonic() past which the row stops waiting for that wait (a store that hangs
+    holds its polls up): twice its bound."""
     looked: bool = True
     """Whether a wait since the row's last chunk brought less than a chunk (it computes the next
     one). True at the start: the wait that just ended did, so the first chunk comes first."""
