@@ -123,11 +123,13 @@ _ROUNDING = 1e-6
 """How far a head's cumulative probabilities may be from exact (float32 total: ~1e-7)."""
 
 
+_ID_BITS = 20
+_ID_SPAN = 1 << _ID_BITS
+
+
 def _near(cdf: np.ndarray, i: int, x: float) -> bool:
     """Whether ``x`` lies within rounding of the boundaries around candidate ``i``."""
     return abs(cdf[i] - x) < _ROUNDING or (i > 0 and abs(cdf[i - 1] - x) < _ROUNDING)
-_ID_BITS = 20
-_ID_SPAN = 1 << _ID_BITS
 
 
 def _descending_keys(logits: np.ndarray) -> np.ndarray:
