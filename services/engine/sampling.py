@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,13 +50,14 @@ class Sampler:
         if self.config.greedy:
             return int(np.argmax(logits))
         u = self._rng.random()
-        vocab = logits.shape[0]
-        total = self._total(logits) if vocab > HEADS[0] else 0.0
+        # Only a head that is not every candidate needs the whole vocabulary's weight (top_k
+        # within the head never does): summed at most once per draw, and only then.
+        total = functools.cache(lambda: self._total(logits))
         for head in HEADS:
             picked = self._pick(logits, u, head, total)
             if picked is not None:
                 return picked
-        return self._pick(logits, u, vocab, total)
+        return self._pick(logits, u, logits.shape[0], total)
 
     def _total(self, logits: np.ndarray) -> float:
         """The whole vocabulary's weight relative to the top logit's (1), in float32 for float32 or
@@ -63,13 +66,13 @@ class Sampler:
         shifted = logits.astype(kind, copy=False) - kind.type(logits.max())
         return float(np.exp(shifted * kind.type(1 / self.config.temperature)).sum(dtype=np.float64))
 
-    def _pick(self, logits: np.ndarray, u: float, head: int, total: float) -> int | None:
+    def _pick(self, logits: np.ndarray, u: float, head: int, total: Callable[[], float]) -> int | None:
         """The token ``u`` picks, looking at the best ``head`` candidates; None if the draw or a
-        filter reaches beyond them, or falls within ``_ROUNDING`` of a boundary that ``total``'s
+        filter reaches beyond them, or falls within ``_ROUNDING`` of a boundary that ``total()``'s
         rounding could move (a sorted whole vocabulary decides those exactly)."""
         order, complete = self._candidates(logits, head)
         weights = np.exp((logits[order].astype(np.float64) - float(logits[order[0]])) / self.config.temperature)
-        probs = weights / (weights.sum() if complete else total)
+        probs = weights / (weights.sum() if complete else total())
         if self.config.top_p < 1.0:
             # Keep the smallest prefix whose mass reaches top_p (always at least the top token).
             cdf = np.cumsum(probs)
