@@ -125,8 +125,12 @@ def test_a_second_worker_waits_for_the_lease_holders_blocks(tiny_model, redis_ur
         holder, waiter = sorted(engines, key=lambda e: e.scheduler.stats.prefill_tokens, reverse=True)
         assert waiter.scheduler.stats.prefill_tokens == sum(map(len, questions[1::2])) or \
             waiter.scheduler.stats.prefill_tokens == sum(map(len, questions[0::2]))
-        # Every wait ended with all blocks there (none, if the holder was done before the lookups).
-        assert set(waiter.cache_stats.lease_waits) <= {"complete"} and not holder.cache_stats.lease_waits
+        # Every wait, on either worker, ended with all blocks there. The holder's worker waits too
+        # when its second request's lookup comes after the first one's first chunk was published:
+        # it then waits in the store for its sibling's blocks (``Claim.SIBLING``), which depends on
+        # the machine's speed, so whether it waited is not asserted, only how its waits ended.
+        assert set(waiter.cache_stats.lease_waits) <= {"complete"}
+        assert set(holder.cache_stats.lease_waits) <= {"complete"}
         s = waiter.cache_stats
         shared = waiter.scheduler.stats.shared_tokens
         assert s.block_hits + s.blocks_received + shared // B == PREFIX // B * 2, (
