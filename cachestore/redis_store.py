@@ -16,7 +16,8 @@ import redis
 from redis.cluster import RedisCluster
 
 from cachestore.ratelimit import RateLimitedLog
-from cachestore.store import KVStore, StoreReplyError
+from cachestore.redis_notices import RedisNotices
+from cachestore.store import KVStore, Notices, StoreReplyError
 
 log = logging.getLogger(__name__)
 _foreign = RateLimitedLog(log)
@@ -240,6 +241,17 @@ class RedisStore(KVStore):
         if self._lease_script is None:
             self._lease_script = self._client.register_script(_IF_HELD)
         self._lease_script(keys=[key], args=[token, ttl_ms])
+
+    def announce(self, keys: Sequence[str]) -> None:
+        """``PUBLISH`` on each key's channel (pipelined; on a cluster, every node relays it)."""
+        if keys:
+            pipe = self._client.pipeline(transaction=False)
+            for key in keys:
+                pipe.publish(key, b"")
+            pipe.execute()
+
+    def notices(self, on_notice: Callable[[str], None]) -> Notices:
+        return RedisNotices(lambda: self._client, on_notice, self.name)
 
     def error_kind(self, exc: Exception) -> str:
         if isinstance(exc, redis.ConnectionError) and _caused_by(exc, ssl.SSLError):

@@ -17,7 +17,7 @@ from typing import TypeVar
 from cachestore.breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
-from cachestore.store import KVStore
+from cachestore.store import KVStore, Notices
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -117,6 +117,13 @@ class ResilientStore(KVStore):
 
     def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
         self._call(self.write_breaker, "renew", lambda: self.inner.renew(key, token, ttl_ms), None)
+
+    def announce(self, keys: Sequence[str]) -> None:
+        self._call(self.write_breaker, "announce", lambda: self.inner.announce(keys), None)
+
+    def notices(self, on_notice: Callable[[str], None]) -> Notices | None:
+        """The inner store's: a subscription absorbs its own failures (its listeners poll meanwhile)."""
+        return self.inner.notices(on_notice)
 
     def error_kind(self, exc: Exception) -> str:
         return self.inner.error_kind(exc)

@@ -9,13 +9,13 @@ that block (set-if-absent) replaces it with a signed one.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from cachestore.codec import RejectReason
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.signing import Keyring, VerifyFailure
 from cachestore.stats import CacheStats
-from cachestore.store import KVStore
+from cachestore.store import KVStore, Notices
 
 log = logging.getLogger(__name__)
 _refused = RateLimitedLog(log)
@@ -106,6 +106,12 @@ class SignedStore(KVStore):
 
     def error_kind(self, exc: Exception) -> str:
         return self.inner.error_kind(exc)
+
+    def announce(self, keys: Sequence[str]) -> None:
+        self.inner.announce(keys)
+
+    def notices(self, on_notice: Callable[[str], None]) -> Notices | None:
+        return self.inner.notices(on_notice)
 
     def ping(self) -> None:
         self.inner.ping()

@@ -8,7 +8,7 @@ store it once. Every method may raise; ``ResilientStore`` turns failures into mi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 ERROR_KINDS = ("timeout", "connection", "tls", "auth", "out_of_memory", "response", "protocol", "error")
 """Every label ``KVStore.error_kind`` may return (metrics show each from the start)."""
@@ -17,6 +17,27 @@ ERROR_KINDS = ("timeout", "connection", "tls", "auth", "out_of_memory", "respons
 class StoreReplyError(Exception):
     """The store answered something that is not a value (a hostile or broken server): a failure
     like any other, never passed on."""
+
+
+class Notices(ABC):
+    """A subscription to ``KVStore.announce``: ``on_notice(key)`` is called, on a thread of the
+    subscription's own, for each announcement under a key listened to. Announcements may be lost
+    and may be forged by whoever can write to the store: a listener treats one as a hint to look
+    again, never as news of what it will find, and still looks now and then without one."""
+
+    @abstractmethod
+    def listen(self, keys: Collection[str]) -> None:
+        """The keys whose announcements are wanted from now on (in place of the earlier ones)."""
+
+    @property
+    @abstractmethod
+    def live(self) -> bool:
+        """Whether announcements under every key listened to are being delivered now (the
+        subscription is confirmed); while False, a listener looks as often as without one."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stops the subscription; no call of ``on_notice`` starts after this returns."""
 
 
 class KVStore(ABC):
@@ -72,6 +93,15 @@ class KVStore(ABC):
     def renew(self, key: str, token: bytes, ttl_ms: int) -> None:  # noqa: B027 - optional: only shared stores keep leases
         """Makes the lease under ``key`` expire ``ttl_ms`` milliseconds from now, if ``token``
         still holds it: a holder that keeps making progress keeps its lease."""
+
+    def announce(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional: only shared stores have listeners
+        """Tells whoever listens on ``keys`` (``notices``) that something changed under them, such as
+        blocks published after a lease's key or the lease ended. At most once, and may be lost."""
+
+    def notices(self, on_notice: Callable[[str], None]) -> Notices | None:
+        """A subscription to announcements, idle until it is given keys; None when this store
+        cannot deliver them (a listener looks for changes itself)."""
+        return None
 
     def error_kind(self, exc: Exception) -> str:
         """A short label for a failure this store raised: one of ``ERROR_KINDS``."""

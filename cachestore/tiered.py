@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from cachestore.memory import MemoryStore
-from cachestore.store import KVStore
+from cachestore.store import KVStore, Notices
 
 
 class TieredStore(KVStore):
@@ -55,6 +55,12 @@ class TieredStore(KVStore):
 
     def error_kind(self, exc: Exception) -> str:
         return self.l2.error_kind(exc)
+
+    def announce(self, keys: Sequence[str]) -> None:
+        self.l2.announce(keys)
+
+    def notices(self, on_notice: Callable[[str], None]) -> Notices | None:
+        return self.l2.notices(on_notice)
 
     def ping(self) -> None:
         self.l2.ping()

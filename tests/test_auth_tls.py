@@ -3,6 +3,8 @@
 
 import hashlib
 import os
+import queue
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +18,9 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
+from cachestore.factory import StoreOptions, open_store
 from cachestore.signing import Keyring
+from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.local.redis_process import RedisServer, ServerTLS, free_port, supports_tls
@@ -163,6 +167,46 @@ def test_a_tls_worker_answers_kubelet_style_plaintext_health_checks_on_its_healt
         assert check.returncode == 0 and "SERVING" in check.stdout, check.stderr
 
 
+def documented_acl() -> list[str]:
+    """The ACL rules docs/security.md gives the workers' Redis user."""
+    text = (Path(__file__).parents[1] / "docs" / "security.md").read_text()
+    match = re.search(r"`ACL SETUSER kvshare on >PASSWORD ([^`]+)`", text)
+    assert match, "docs/security.md gives the workers' ACL user"
+    return match.group(1).split()
+
+
+def test_the_documented_acl_user_runs_every_store_operation(redis_server):
+    """Blocks, leases (set-if-absent, the compare-and-delete and renew scripts) and announcements,
+    as the worker's ACL user from docs/security.md: not one store error."""
+    with redis_server.client() as c:
+        c.execute_command("ACL", "SETUSER", "kvshare-doc", "on", ">doc-password", *documented_acl())
+    stats = CacheStats()
+    store = open_store(redis_server.url, StoreOptions(username="kvshare-doc", password="doc-password"), stats)
+    heard: queue.Queue[str] = queue.Queue()
+    notices = store.notices(heard.put)
+    try:
+        assert store.put_many([("kvshare:v1:blk:a", b"1"), ("kvshare:v1:blk:b", b"2")]) == 2
+        assert store.get_many(["kvshare:v1:blk:a"]) == [b"1"]
+        assert list(store.iter_many(["kvshare:v1:blk:a", "kvshare:v1:blk:b"])) == [b"1", b"2"]
+        lease = "kvshare:v1:lease:a"
+        assert store.claim(lease, b"w.1", 60_000) == b"w.1" == store.holder(lease)
+        store.renew(lease, b"w.1", 60_000)
+        store.release(lease, b"w.1")
+        assert store.holder(lease) is None, "released early, not left to expire"
+        notices.listen({lease})
+        assert heard.get(timeout=10) == lease
+        store.announce([lease])
+        assert heard.get(timeout=10) == lease
+        store.delete(["kvshare:v1:blk:a"])
+        store.ping()
+        assert stats.store_errors == {}
+    finally:
+        notices.close()
+        store.close()
+        with redis_server.client() as c:
+            c.execute_command("ACL", "DELUSER", "kvshare-doc")
+
+
 needs_tls_redis = pytest.mark.skipif(
     not supports_tls(), reason="the redis-server found was built without TLS; as root, scripts/test.sh installs "
                                "the system's redis-server, which has it (apt-get install redis-server)")
@@ -174,8 +218,7 @@ def tls_redis(ca):
     with RedisServer(tls=ServerTLS(server.cert, server.key, ca.cert, require_client_cert=True),
                      password="redis-password-" + "9" * 24) as redis_server:
         with redis_server.client() as c:
-            c.acl_setuser("kvshare", enabled=True, passwords=["+worker-password-" + "8" * 24],
-                          keys=["kvshare:*"], commands=["+get", "+mget", "+set", "+del", "+ping", "+hello", "+client"])
+            c.execute_command("ACL", "SETUSER", "kvshare", "on", ">worker-password-" + "8" * 24, *documented_acl())
         yield redis_server
 
 

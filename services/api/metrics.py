@@ -77,6 +77,10 @@ class _EngineCollector(Collector):
                                   value=stats.adopted_tokens)
         yield GaugeMetricFamily("kvshare_lease_waiting", "Requests waiting for blocks another worker is computing.",
                                 value=engine.waits.waiting)
+        yield CounterMetricFamily("kvshare_lease_notices",
+                                  "Waits woken by another worker announcing its progress (Redis pub/sub); without "
+                                  "announcements, waits poll every --lease-poll-ms.",
+                                  value=engine.waits.woken)
         waits = CounterMetricFamily("kvshare_lease_waits", "Waits for another worker's blocks, by how they ended.",
                                     labels=["end"])
         for end in WaitEnd:

@@ -215,7 +215,7 @@ class Engine:
         self.slots = open_slots(session, scheduling.max_batch, spec.context_length)
         self.tokens = Tokens(uuid.uuid4().hex.encode())
         """Lease tokens: this worker, and which of its rows holds a lease."""
-        self.waits = RunWaits(options.leases.poll_ms)
+        self.waits = RunWaits(options.leases.poll_ms, self.store.notices)
         self._awaiting: dict[str, tuple[Sequence, int]] = {}
         """Leases of other workers that a row of this one waits on, with that row and how many
         blocks it awaits (under ``_publish_lock``)."""
@@ -519,6 +519,7 @@ class Engine:
             first_stall_s=max(stall_ms, factor * pace.expected_ms(run * size)) / 1e3,
             pace_blocks=-(-2 * chunk // size),
             on_end=end,
+            key=key,
         )
         self.waits.add(wait)
         return False
@@ -563,6 +564,7 @@ class Engine:
             first_stall_s=bound_s,
             pace_blocks=chunk_blocks,
             on_end=end,
+            key=trail.key,
         ))
         return result
 
@@ -689,6 +691,8 @@ class Engine:
             self.prefix.publish(hashes[:last], kv, first, size)
             if lease is not None and prompt_done:
                 lease.end()
+            elif lease is not None:  # waiters elsewhere look now (``run_waits``)
+                lease.announce()
 
         seq.published_blocks = last
         published = self._publish_blocks(seq, first, last, publish)

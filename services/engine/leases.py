@@ -8,7 +8,9 @@ lives ``ttl_ms`` past the holder's latest chunk, not past its first: a holder sl
 machine keeps its lease while it makes progress, and one that died loses it after ``ttl_ms``. Every
 lease is written under the sequence's own token (the worker's token and a row number), so that one
 row's end never ends a lease another row of the same worker holds. ``end`` releases them all
-(compare-and-delete); a lease never released expires.
+(compare-and-delete); a lease never released expires. After each chunk and after the end, the
+holder announces on every key it leased (``KVStore.announce``), so that waiters look then rather
+than polling in between.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class HeldLeases:
     token: bytes
     ttl_ms: int
     keys: list[str]
+    """Held now."""
+    claimed: list[str] = field(default_factory=list)
+    """Every key these leases took, held or ended: their waiters hear of each chunk and the end."""
     _ended: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -77,12 +82,24 @@ class HeldLeases:
         if self.store.claim(key, self.token, self.ttl_ms) == self.token:
             with self._lock:
                 self.keys.append(key)
+                self.claimed.append(key)
                 ended = self._ended
             if ended:  # ended while claiming: nobody else will release it
                 self.store.release(key, self.token)
 
+    def __post_init__(self) -> None:
+        self.claimed = list(self.keys)
+
+    def announce(self) -> None:
+        """Tells the waiters on these leases to look: blocks were published (after ``extend``)."""
+        with self._lock:
+            keys = list(self.claimed)
+        self.store.announce(keys)
+
     def end(self) -> None:
         with self._lock:
-            keys, self.keys, self._ended = self.keys, [], True
+            keys, self.keys, ended, self._ended = self.keys, [], self._ended, True
         for key in keys:
             self.store.release(key, self.token)
+        if not ended:
+            self.announce()
