@@ -243,12 +243,18 @@ class RedisStore(KVStore):
         self._lease_script(keys=[key], args=[token, ttl_ms])
 
     def announce(self, keys: Sequence[str]) -> None:
-        """``PUBLISH`` on each key's channel (pipelined; on a cluster, every node relays it)."""
-        if keys:
-            pipe = self._client.pipeline(transaction=False)
+        """``PUBLISH`` on each key's channel: pipelined on one server; on a cluster one at a time
+        (its pipelines refuse it), each to any node, which relays it to every other."""
+        if not keys:
+            return
+        if self._cluster:
             for key in keys:
-                pipe.publish(key, b"")
-            pipe.execute()
+                self._client.publish(key, b"")
+            return
+        pipe = self._client.pipeline(transaction=False)
+        for key in keys:
+            pipe.publish(key, b"")
+        pipe.execute()
 
     def notices(self, on_notice: Callable[[str], None]) -> Notices:
         return RedisNotices(lambda: self._client, on_notice, self.name)

@@ -25,6 +25,7 @@ from services.engine.run_waits import (
     RunWaits,
     WaitEnd,
 )
+from services.local.redis_process import RedisClusterServers
 
 A, B_, C = "kvshare:v1:lease:a", "kvshare:v1:lease:b", "kvshare:v1:lease:c"
 POLL_S = 2.0
@@ -50,6 +51,28 @@ def test_an_announcement_reaches_the_listeners_of_its_key_only(redis_url):
         notices.close()
         store.close()
         other.close()
+
+
+def test_announcements_cross_a_redis_cluster():
+    """Channels are not sharded: an announcement to any master reaches a listener on any other,
+    whichever slots the keys hash to."""
+    keys = {f"kvshare:v1:lease:{i}" for i in range(6)}
+    with RedisClusterServers() as cluster:
+        stats = CacheStats()
+        store, other = open_store(cluster.url, StoreOptions(), CacheStats()), open_store(cluster.url, StoreOptions(), stats)
+        heard: queue.Queue[str] = queue.Queue()
+        notices = store.notices(heard.put)
+        try:
+            notices.listen(keys)
+            assert {heard.get(timeout=10) for _ in keys} == keys
+            assert notices.live
+            other.announce(sorted(keys))
+            assert {heard.get(timeout=10) for _ in keys} == keys
+            assert stats.store_errors == {}
+        finally:
+            notices.close()
+            store.close()
+            other.close()
 
 
 def test_announcements_stop_while_redis_is_down_and_resume_after(redis_server, redis_url):
