@@ -6,7 +6,7 @@ prefix, and how late is the slowest first token against one cold request alone?
   or from another request of the same worker), summed over the burst, divided by the prefix
   length: 1.00 means the fleet computed it once;
 - TTFT p50 / p99 (server-side, ms) of the burst's requests against the median TTFT of the same
-  prompt shape sent alone, cold, to the idle fleet just before each burst;
+  prompt shape sent alone, cold, to the idle fleet just before and just after each burst;
 - CPU to the last first token: the CPU seconds that the workers, Redis and this client used
   together from sending the burst until its last first token arrived here, and that divided by
   the cores this machine gives them, against the cold TTFT: how long that work takes with every
@@ -125,11 +125,16 @@ def genai_rows(model, rng: np.random.Generator, requests: int, prefix_len: int, 
     reported, so that column is empty."""
     genai = GenAIEngine(model, requests)
     alone, ttfts = [], []
+
+    def cold_alone() -> float:
+        return genai.load([model.random_ids(rng, prefix_len + QUESTION_TOKENS)], [NEW_TOKENS]).streams[0].ttft * 1e3
+
     for _ in range(bursts):
-        alone.append(genai.load([model.random_ids(rng, prefix_len + QUESTION_TOKENS)], [NEW_TOKENS]).streams[0].ttft * 1e3)
+        alone.append(cold_alone())
         prefix = model.random_ids(rng, prefix_len)
         prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(requests)]
         ttfts += [s.ttft * 1e3 for s in genai.load(prompts, [NEW_TOKENS] * requests).streams]
+        alone.append(cold_alone())
     _, _, cold_ms, p50, p99, ratio, _, _ = row("", [0.0], median(alone), ttfts, [])
     return [(f"og.Engine, {requests} requests, one process", "", cold_ms, p50, p99, ratio, "", "")]
 
@@ -151,18 +156,22 @@ def main() -> int:
         with fleet(model, replicas=replicas) as f:
             warm_up(f.stubs, model.random_ids(rng, prefix_len + QUESTION_TOKENS))
             alone, computed, ttfts, cpu_s = [], [], [], []
-            for b in range(bursts):
-                # A cold request alone just before each burst, on each replica in turn: on a shared
-                # machine the pace drifts by a third within minutes, and a ratio must compare
-                # what was measured in the same stretch of time.
+
+            def cold_alone(replica: int) -> float:
                 prompt = model.random_ids(rng, prefix_len + QUESTION_TOKENS)
-                alone.append(complete(f.stubs[b % replicas], request(prompt), CALL_TIMEOUT_S)
-                             .last.timings.time_to_first_token_ms)
+                return complete(f.stubs[replica % replicas], request(prompt), CALL_TIMEOUT_S).last.timings.time_to_first_token_ms
+
+            for b in range(bursts):
+                # A cold request alone just before and just after each burst, on the replicas in
+                # turn: on a shared machine the pace drifts by a third within minutes, and a ratio
+                # must compare what was measured in the same stretch of time.
+                alone.append(cold_alone(b))
                 prefix = model.random_ids(rng, prefix_len)
                 prompts = [prefix + model.random_ids(rng, QUESTION_TOKENS) for _ in range(args.requests)]
                 t, logged = time.perf_counter(), [len(w.log_lines) for w in f.workers]
                 burst = send_burst(f, prompts)
                 span_s, answers = time.perf_counter() - t, burst.answers
+                alone.append(cold_alone(b + 1))
                 cpu_s.append(burst.cpu_s)
                 references = [complete(f.stubs[0], request(p, cold=True), CALL_TIMEOUT_S).token_ids for p in prompts]
                 wrong += sum(a.tokens != r for a, r in zip(answers, references, strict=True))
