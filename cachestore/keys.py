@@ -84,6 +84,18 @@ def lease_key(block_hash: BlockHash) -> str:
 LEASE_KEY_PATTERN = KEY_PREFIX + "lease:*"
 """Every lease key (a Redis SCAN pattern)."""
 
+_TOKEN_BYTES = frozenset(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-_")
+
+
+def progress_channel(holder: bytes) -> str | None:
+    """The channel a lease holder announces its progress on (``KVStore.announce``): one per
+    holder token, whichever of its lease keys a waiter found, so that each chunk is one announcement
+    however long the prompt. None for a token no worker makes (at most 64 bytes of letters, digits
+    and ``.-_``): read from a store anyone can write to, it is nobody to listen to."""
+    if not 0 < len(holder) <= 64 or not _TOKEN_BYTES.issuperset(holder):
+        return None
+    return KEY_PREFIX + "progress:" + holder.decode("ascii")
+
 
 def encoder_input_hash(namespace: Namespace, array: np.ndarray) -> BlockHash:
     """Names an encoder input: its dtype, shape and little-endian bytes under ``namespace``.

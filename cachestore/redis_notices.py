@@ -1,14 +1,9 @@
-"""Announcements through Redis pub/sub: the channel of a key is the key itself.
-
-One connection per worker, held only while it listens to something, subscribed to the keys its
-waiting requests wait on; a thread of its own reads it. A waiter then looks for blocks when the
-holder announces a chunk instead of many times in between: on machines the replicas share, each
-of those looks takes CPU the holder is computing with (three waiters looking every 10 ms made
-the holder's prefill 11% slower).
+"""Announcements through Redis pub/sub (``KVStore.announce`` / ``KVStore.notices``).
 
 What Redis sends here is a hint, never data: a forged or lost announcement costs a look too many
 or a look later, and a flood of them (more than ``MAX_PER_S``) is dropped with the connection,
-as is any failure; the listener is then not ``live`` and its waiters poll until it is again.
+as is any failure and a connection that stops answering pings; the subscription is then not
+``live`` and its listeners poll until it is again.
 """
 
 from __future__ import annotations
@@ -28,18 +23,30 @@ log = logging.getLogger(__name__)
 _failing = RateLimitedLog(log)
 
 TICK_S = 0.05
-"""Longest a read waits before the thread subscribes to keys given meanwhile (s)."""
-RETRY_S = 1.0
-"""Pause after a failure before subscribing again (s)."""
+"""Longest a read waits before the thread subscribes to channels given meanwhile (s); until
+then those channels are not live, and their listeners poll."""
+RETRY_S, MAX_RETRY_S = 1.0, 30.0
+"""Pause after a failure before subscribing again, doubling while failures go on (s): an ACL that
+refuses the channels is not asked every second forever."""
+PING_S = 5.0
+"""A subscribed connection silent this long is pinged; one whose ping is not answered within as
+long again is dropped (a half-open connection delivers nothing and fails no read)."""
 MAX_PER_S = 1000
 """More messages than this in a second is a server out of step or hostile, not workers announcing
-chunks (a holder announces each of its lease keys once per chunk)."""
+chunks (a holder announces once per chunk)."""
 
 
 class RedisNotices(Notices):
-    def __init__(self, client: Callable[[], redis.Redis | RedisCluster], on_notice: Callable[[str], None],
+    """A subscription on a connection of its own (a client made by ``connect``, not the store's
+    pool, so that it never takes a connection reads and writes need), opened while there are
+    channels to listen to and closed when there are none; one thread reads it and calls
+    ``on_notice(channel, announced)``: ``announced`` True for an announcement, False when the
+    subscription to ``channel`` was confirmed or lost (look once: what was announced meanwhile
+    was missed)."""
+
+    def __init__(self, connect: Callable[[], redis.Redis | RedisCluster], on_notice: Callable[[str, bool], None],
                  name: str) -> None:
-        self._client = client
+        self._connect = connect
         self._on_notice = on_notice
         self._name = name
         self._wanted: frozenset[str] = frozenset()
@@ -49,9 +56,9 @@ class RedisNotices(Notices):
         self._thread = threading.Thread(target=self._run, name="kv-notices", daemon=True)
         self._thread.start()
 
-    def listen(self, keys: Collection[str]) -> None:
+    def listen(self, channels: Collection[str]) -> None:
         with self._cond:
-            self._wanted = frozenset(keys)
+            self._wanted = frozenset(channels)
             self._cond.notify()
 
     @property
@@ -66,23 +73,26 @@ class RedisNotices(Notices):
         self._thread.join()
 
     def _run(self) -> None:
-        pubsub: redis.client.PubSub | None = None
-        sent: set[str] = set()
-        """Channels subscribed to on the current connection and not unsubscribed since."""
-        window, count = time.monotonic(), 0
+        client: redis.Redis | RedisCluster | None = None
+        pubsub = None
+        sent: set[str] = set()  # subscribed on the current connection and not unsubscribed since
+        retry_s = RETRY_S
+        heard, pinged, window, count = 0.0, None, 0.0, 0  # last message, unanswered ping, flood window
         while True:
             with self._cond:
                 while not self._closed and not self._wanted and not sent:
-                    if pubsub is not None:  # nothing to listen to: the connection goes back
-                        pubsub.close()
-                        pubsub = None
+                    if client is not None:  # nothing to listen to: no connection held
+                        _close(client, pubsub)
+                        client = pubsub = None
                     self._cond.wait()
                 if self._closed:
                     break
                 wanted = self._wanted
             try:
-                if pubsub is None:
-                    pubsub = self._client().pubsub()
+                if client is None:
+                    client = self._connect()
+                    pubsub = client.pubsub()
+                    heard, pinged, window, count = time.monotonic(), None, time.monotonic(), 0
                 if gone := sent - wanted:
                     with self._cond:
                         self._confirmed -= gone
@@ -93,43 +103,55 @@ class RedisNotices(Notices):
                     sent |= new
                 message = pubsub.get_message(timeout=TICK_S) if sent else None
                 now = time.monotonic()
-                if now - window >= 1.0:
-                    window, count = now, 0
-                count += message is not None
-                if count > MAX_PER_S:
-                    raise redis.ConnectionError(f"more than {MAX_PER_S} messages a second")
                 if message is not None:
-                    self._handle(message, sent)
-            except Exception as exc:  # noqa: BLE001 - announcements are a hint; waiters poll without them
+                    heard, pinged = now, None
+                    if now - window >= 1.0:
+                        window, count = now, 0
+                    count += 1
+                    if count > MAX_PER_S:
+                        raise redis.ConnectionError(f"more than {MAX_PER_S} messages in a second")
+                    if self._handle(message, sent):
+                        retry_s = RETRY_S
+                elif pinged is not None and now - pinged >= PING_S:
+                    raise redis.TimeoutError(f"no answer to a ping in {PING_S:g} s")
+                elif pinged is None and sent and now - heard >= PING_S:
+                    pubsub.ping()
+                    pinged = now
+            except Exception as exc:  # noqa: BLE001 - announcements are a hint; listeners poll without them
                 _failing.warning("cache store %s: announcements unavailable (%s: %s); waiting workers poll instead",
                                  self._name, type(exc).__name__, exc)
-                if pubsub is not None:
-                    try:
-                        pubsub.close()
-                    except Exception:  # noqa: BLE001 - the connection is dropped either way
-                        pass
-                pubsub, sent = None, set()
+                _close(client, pubsub)
+                client, pubsub = None, None
+                lost, sent = sent, set()
                 with self._cond:
                     self._confirmed.clear()
+                for channel in lost:
+                    self._on_notice(channel, False)
+                with self._cond:
                     if not self._closed:
-                        self._cond.wait(RETRY_S)
-        if pubsub is not None:
-            pubsub.close()
+                        self._cond.wait(retry_s)
+                retry_s = min(2 * retry_s, MAX_RETRY_S)
+        _close(client, pubsub)
 
-    def _handle(self, message: dict, sent: set[str]) -> None:
+    def _handle(self, message: dict, sent: set[str]) -> bool:
+        """Passes a message on; True when it confirmed a subscription."""
         kind, channel = message.get("type"), message.get("channel")
-        if isinstance(kind, bytes):
-            kind = kind.decode("ascii", "replace")
         if not isinstance(channel, bytes | str):
-            return
-        key = channel.decode("utf-8", "replace") if isinstance(channel, bytes) else channel
-        if key not in sent:
-            return
+            return False
+        channel = channel.decode("utf-8", "replace") if isinstance(channel, bytes) else channel
+        if channel not in sent or kind not in ("subscribe", "message"):
+            return False
         if kind == "subscribe":
             with self._cond:
-                self._confirmed.add(key)
-        elif kind != "message":
-            return
-        # On a confirmed subscription too: what was announced before it took effect was missed,
-        # so the listener looks once now.
-        self._on_notice(key)
+                self._confirmed.add(channel)
+        self._on_notice(channel, kind == "message")
+        return kind == "subscribe"
+
+
+def _close(client: redis.Redis | RedisCluster | None, pubsub) -> None:
+    for closable in (pubsub, client):
+        if closable is not None:
+            try:
+                closable.close()
+            except Exception:  # noqa: BLE001 - the connection is dropped either way
+                pass

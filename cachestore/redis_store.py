@@ -243,8 +243,8 @@ class RedisStore(KVStore):
         self._lease_script(keys=[key], args=[token, ttl_ms])
 
     def announce(self, keys: Sequence[str]) -> None:
-        """``PUBLISH`` on each key's channel: pipelined on one server; on a cluster one at a time
-        (its pipelines refuse it), each to any node, which relays it to every other."""
+        """``PUBLISH`` on each channel: pipelined on one server; on a cluster one at a time (its
+        pipelines refuse it), each to the node of the channel's slot, which relays it to every other."""
         if not keys:
             return
         if self._cluster:
@@ -256,8 +256,8 @@ class RedisStore(KVStore):
             pipe.publish(key, b"")
         pipe.execute()
 
-    def notices(self, on_notice: Callable[[str], None]) -> Notices:
-        return RedisNotices(lambda: self._client, on_notice, self.name)
+    def notices(self, on_notice: Callable[[str, bool], None]) -> Notices:
+        return RedisNotices(self._connect, on_notice, self.name)
 
     def error_kind(self, exc: Exception) -> str:
         if isinstance(exc, redis.ConnectionError) and _caused_by(exc, ssl.SSLError):

@@ -34,6 +34,7 @@ class ResilientStore(KVStore):
         self._lock = threading.Lock()
         # One limiter per (direction, state): a burst of write failures must not hide the reads'.
         self._logs = {(kind, state): RateLimitedLog(log) for kind in ("reads", "writes") for state in ("failing", "back")}
+        self._announce_log = RateLimitedLog(log)
 
     def _call(self, breaker: CircuitBreaker, operation: str, fn: Callable[[], T], fallback: T) -> T:
         if not breaker.allow():
@@ -118,10 +119,18 @@ class ResilientStore(KVStore):
     def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
         self._call(self.write_breaker, "renew", lambda: self.inner.renew(key, token, ttl_ms), None)
 
-    def announce(self, keys: Sequence[str]) -> None:
-        self._call(self.write_breaker, "announce", lambda: self.inner.announce(keys), None)
+    def announce(self, channels: Sequence[str]) -> None:
+        """Best effort, outside the breakers: an announcement refused (an ACL without the channels)
+        must not open the breaker that lets blocks be written. Skipped while writes are kept away."""
+        if self.write_breaker.keeps_calls_away:
+            return
+        try:
+            self.inner.announce(channels)
+        except Exception as exc:  # noqa: BLE001 - waiters poll when announcements fail
+            self._announce_log.warning("cache store %s: announcing failed (%s: %s); waiting workers poll instead",
+                                       self.name, type(exc).__name__, exc)
 
-    def notices(self, on_notice: Callable[[str], None]) -> Notices | None:
+    def notices(self, on_notice: Callable[[str, bool], None]) -> Notices | None:
         """The inner store's: a subscription absorbs its own failures (its listeners poll meanwhile)."""
         return self.inner.notices(on_notice)
 

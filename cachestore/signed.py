@@ -107,10 +107,10 @@ class SignedStore(KVStore):
     def error_kind(self, exc: Exception) -> str:
         return self.inner.error_kind(exc)
 
-    def announce(self, keys: Sequence[str]) -> None:
-        self.inner.announce(keys)
+    def announce(self, channels: Sequence[str]) -> None:
+        self.inner.announce(channels)
 
-    def notices(self, on_notice: Callable[[str], None]) -> Notices | None:
+    def notices(self, on_notice: Callable[[str, bool], None]) -> Notices | None:
         return self.inner.notices(on_notice)
 
     def ping(self) -> None:

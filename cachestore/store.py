@@ -20,20 +20,22 @@ class StoreReplyError(Exception):
 
 
 class Notices(ABC):
-    """A subscription to ``KVStore.announce``: ``on_notice(key)`` is called, on a thread of the
-    subscription's own, for each announcement under a key listened to. Announcements may be lost
-    and may be forged by whoever can write to the store: a listener treats one as a hint to look
-    again, never as news of what it will find, and still looks now and then without one."""
+    """A subscription to ``KVStore.announce``: ``on_notice(channel, announced)`` is called, on a
+    thread of the subscription's own, for each announcement on a channel listened to
+    (``announced`` True), and when the subscription to one was confirmed or lost (False: what was
+    announced meanwhile was missed). Announcements may be lost and may be forged by whoever can
+    write to the store: a listener treats each call as a hint to look again, never as news of
+    what it will find, and still looks now and then without one."""
 
     @abstractmethod
-    def listen(self, keys: Collection[str]) -> None:
-        """The keys whose announcements are wanted from now on (in place of the earlier ones)."""
+    def listen(self, channels: Collection[str]) -> None:
+        """The channels whose announcements are wanted from now on (in place of the earlier ones)."""
 
     @property
     @abstractmethod
     def live(self) -> bool:
-        """Whether announcements under every key listened to are being delivered now (the
-        subscription is confirmed); while False, a listener looks as often as without one."""
+        """Whether announcements on every channel listened to are being delivered now (each
+        subscription confirmed); while False, a listener looks as often as without one."""
 
     @abstractmethod
     def close(self) -> None:
@@ -94,11 +96,11 @@ class KVStore(ABC):
         """Makes the lease under ``key`` expire ``ttl_ms`` milliseconds from now, if ``token``
         still holds it: a holder that keeps making progress keeps its lease."""
 
-    def announce(self, keys: Sequence[str]) -> None:  # noqa: B027 - optional: only shared stores have listeners
-        """Tells whoever listens on ``keys`` (``notices``) that something changed under them, such as
-        blocks published after a lease's key or the lease ended. At most once, and may be lost."""
+    def announce(self, channels: Sequence[str]) -> None:  # noqa: B027 - optional: only shared stores have listeners
+        """Tells whoever listens on ``channels`` (``notices``) that something changed, such as a
+        lease holder's blocks published or its leases ended. At most once, and may be lost."""
 
-    def notices(self, on_notice: Callable[[str], None]) -> Notices | None:
+    def notices(self, on_notice: Callable[[str, bool], None]) -> Notices | None:
         """A subscription to announcements, idle until it is given keys; None when this store
         cannot deliver them (a listener looks for changes itself)."""
         return None

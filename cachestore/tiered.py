@@ -56,10 +56,10 @@ class TieredStore(KVStore):
     def error_kind(self, exc: Exception) -> str:
         return self.l2.error_kind(exc)
 
-    def announce(self, keys: Sequence[str]) -> None:
-        self.l2.announce(keys)
+    def announce(self, channels: Sequence[str]) -> None:
+        self.l2.announce(channels)
 
-    def notices(self, on_notice: Callable[[str], None]) -> Notices | None:
+    def notices(self, on_notice: Callable[[str, bool], None]) -> Notices | None:
         return self.l2.notices(on_notice)
 
     def ping(self) -> None:

@@ -7,6 +7,7 @@ import queue
 import re
 import subprocess
 import sys
+from contextlib import ExitStack
 from pathlib import Path
 
 import grpc
@@ -19,11 +20,18 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from cachestore.factory import StoreOptions, open_store
+from cachestore.keys import progress_channel
 from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.local.redis_process import RedisServer, ServerTLS, free_port, supports_tls
+from services.local.redis_process import (
+    RedisClusterServers,
+    RedisServer,
+    ServerTLS,
+    free_port,
+    supports_tls,
+)
 from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess
@@ -175,36 +183,46 @@ def documented_acl() -> list[str]:
     return match.group(1).split()
 
 
-def test_the_documented_acl_user_runs_every_store_operation(redis_server):
+def _delete_user(server, user: str) -> None:
+    with server.client() as c:
+        c.execute_command("ACL", "DELUSER", user)
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["server", "cluster"])
+def test_the_documented_acl_user_runs_every_store_operation(redis_server, cluster):
     """Blocks, leases (set-if-absent, the compare-and-delete and renew scripts) and announcements,
-    as the worker's ACL user from docs/security.md: not one store error."""
-    with redis_server.client() as c:
-        c.execute_command("ACL", "SETUSER", "kvshare-doc", "on", ">doc-password", *documented_acl())
-    stats = CacheStats()
-    store = open_store(redis_server.url, StoreOptions(username="kvshare-doc", password="doc-password"), stats)
-    heard: queue.Queue[str] = queue.Queue()
-    notices = store.notices(heard.put)
-    try:
-        assert store.put_many([("kvshare:v1:blk:a", b"1"), ("kvshare:v1:blk:b", b"2")]) == 2
-        assert store.get_many(["kvshare:v1:blk:a"]) == [b"1"]
-        assert list(store.iter_many(["kvshare:v1:blk:a", "kvshare:v1:blk:b"])) == [b"1", b"2"]
+    as the worker's ACL user from docs/security.md, on one server and on a cluster: not one store
+    error."""
+    with ExitStack() as stack:
+        target = stack.enter_context(RedisClusterServers()) if cluster else redis_server
+        for server in target.nodes if cluster else [redis_server]:
+            with server.client() as c:
+                c.execute_command("ACL", "SETUSER", "kvshare-doc", "on", ">doc-password", *documented_acl())
+            stack.callback(lambda server=server: _delete_user(server, "kvshare-doc"))
+        url = target.url
+        stats = CacheStats()
+        store = open_store(url, StoreOptions(username="kvshare-doc", password="doc-password"), stats)
+        stack.callback(store.close)
+        heard: queue.Queue[tuple[str, bool]] = queue.Queue()
+        notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
+        stack.callback(notices.close)
+        blocks = [(f"kvshare:v1:blk:{i}", b"%d" % i) for i in range(6)]
+        assert store.put_many(blocks) == len(blocks)
+        assert store.get_many([key for key, _ in blocks]) == [value for _, value in blocks]
+        assert list(store.iter_many([key for key, _ in blocks])) == [value for _, value in blocks]
         lease = "kvshare:v1:lease:a"
         assert store.claim(lease, b"w.1", 60_000) == b"w.1" == store.holder(lease)
         store.renew(lease, b"w.1", 60_000)
         store.release(lease, b"w.1")
         assert store.holder(lease) is None, "released early, not left to expire"
-        notices.listen({lease})
-        assert heard.get(timeout=10) == lease
-        store.announce([lease])
-        assert heard.get(timeout=10) == lease
-        store.delete(["kvshare:v1:blk:a"])
+        channel = progress_channel(b"w.1")
+        notices.listen({channel})
+        assert heard.get(timeout=10) == (channel, False)
+        store.announce([channel])
+        assert heard.get(timeout=10) == (channel, True)
+        store.delete([blocks[0][0]])
         store.ping()
         assert stats.store_errors == {}
-    finally:
-        notices.close()
-        store.close()
-        with redis_server.client() as c:
-            c.execute_command("ACL", "DELUSER", "kvshare-doc")
 
 
 needs_tls_redis = pytest.mark.skipif(

@@ -7,7 +7,6 @@ time it cannot happen before, never that something is fast."""
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import Callable, Collection
 
 import pytest
@@ -15,9 +14,13 @@ from conftest import wait_until
 from test_batching import alone, make_engine, prompt, request, run_stream
 from test_single_flight import PREFIX, lease_of
 
+from cachestore.breaker import BreakerState
 from cachestore.factory import StoreOptions, open_store
+from cachestore.keys import progress_channel
+from cachestore.memory import MemoryStore
 from cachestore.stats import CacheStats
 from cachestore.store import Notices
+from services.engine.leases import HeldLeases
 from services.engine.run_waits import (
     IDLE_POLLS,
     LeaseOptions,
@@ -27,26 +30,26 @@ from services.engine.run_waits import (
 )
 from services.local.redis_process import RedisClusterServers
 
-A, B_, C = "kvshare:v1:lease:a", "kvshare:v1:lease:b", "kvshare:v1:lease:c"
+A, B_, C = (progress_channel(b"worker.%d" % row) for row in range(3))
 POLL_S = 2.0
 
 
 def test_an_announcement_reaches_the_listeners_of_its_key_only(redis_url):
     store, other = (open_store(redis_url, StoreOptions(), CacheStats()) for _ in range(2))
-    heard: queue.Queue[str] = queue.Queue()
-    notices = store.notices(heard.put)
+    heard: queue.Queue[tuple[str, bool]] = queue.Queue()
+    notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
     try:
         assert notices.live, "listening to nothing: nothing is missed"
         notices.listen({A})
-        assert heard.get(timeout=10) == A, "a confirmed subscription is a hint to look once"
+        assert heard.get(timeout=10) == (A, False), "a confirmed subscription is a hint to look once"
         assert notices.live
         # One connection delivers in the order published: b, had it been delivered, would come first.
         other.announce([B_, A])
-        assert heard.get(timeout=10) == A
+        assert heard.get(timeout=10) == (A, True)
         notices.listen({C})
-        assert heard.get(timeout=10) == C
+        assert heard.get(timeout=10) == (C, False)
         other.announce([A, C])
-        assert heard.get(timeout=10) == C, "a key no longer listened to is not delivered"
+        assert heard.get(timeout=10) == (C, True), "a channel no longer listened to is not delivered"
     finally:
         notices.close()
         store.close()
@@ -55,19 +58,19 @@ def test_an_announcement_reaches_the_listeners_of_its_key_only(redis_url):
 
 def test_announcements_cross_a_redis_cluster():
     """Channels are not sharded: an announcement to any master reaches a listener on any other,
-    whichever slots the keys hash to."""
-    keys = {f"kvshare:v1:lease:{i}" for i in range(6)}
+    whichever slots the channels hash to."""
+    channels = {progress_channel(b"worker.%d" % row) for row in range(6)}
     with RedisClusterServers() as cluster:
         stats = CacheStats()
         store, other = open_store(cluster.url, StoreOptions(), CacheStats()), open_store(cluster.url, StoreOptions(), stats)
-        heard: queue.Queue[str] = queue.Queue()
-        notices = store.notices(heard.put)
+        heard: queue.Queue[tuple[str, bool]] = queue.Queue()
+        notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
         try:
-            notices.listen(keys)
-            assert {heard.get(timeout=10) for _ in keys} == keys
+            notices.listen(channels)
+            assert {heard.get(timeout=10) for _ in channels} == {(c, False) for c in channels}
             assert notices.live
-            other.announce(sorted(keys))
-            assert {heard.get(timeout=10) for _ in keys} == keys
+            other.announce(sorted(channels))
+            assert {heard.get(timeout=10) for _ in channels} == {(c, True) for c in channels}
             assert stats.store_errors == {}
         finally:
             notices.close()
@@ -76,38 +79,41 @@ def test_announcements_cross_a_redis_cluster():
 
 
 def test_announcements_stop_while_redis_is_down_and_resume_after(redis_server, redis_url):
-    store = open_store(redis_url, StoreOptions(), CacheStats())
-    heard: queue.Queue[str] = queue.Queue()
-    notices = store.notices(heard.put)
+    store, other = (open_store(redis_url, StoreOptions(), CacheStats()) for _ in range(2))
+    heard: queue.Queue[tuple[str, bool]] = queue.Queue()
+    notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
     try:
         notices.listen({A})
-        assert heard.get(timeout=10) == A
+        assert heard.get(timeout=10) == (A, False)
         redis_server.kill()
         try:
-            wait_until(lambda: not notices.live, what="the subscription to be known lost")
+            assert heard.get(timeout=10) == (A, False), "the subscription lost: a look once"
+            assert not notices.live
             store.announce([A])  # fails inside: announcing is best effort
         finally:
             redis_server.start()
-        assert heard.get(timeout=10) == A, "subscribed again: a look once"
+        assert heard.get(timeout=10) == (A, False), "subscribed again: a look once"
         assert notices.live
-        open_store(redis_url, StoreOptions(), CacheStats()).announce([A])
-        assert heard.get(timeout=10) == A
+        other.announce([A])
+        assert heard.get(timeout=10) == (A, True)
+        assert store.write_breaker.state is BreakerState.CLOSED, "a failed announcement opens no breaker"
     finally:
         notices.close()
         store.close()
+        other.close()
 
 
 class _Notices(Notices):
     """Announcements the test makes itself (``on_notice``), live until it says otherwise."""
 
-    def __init__(self, on_notice: Callable[[str], None]) -> None:
+    def __init__(self, on_notice: Callable[[str, bool], None]) -> None:
         self.on_notice = on_notice
-        self.keys: set[str] = set()
+        self.channels: set[str] = set()
         self.is_live = True
         self.closed = False
 
-    def listen(self, keys: Collection[str]) -> None:
-        self.keys = set(keys)
+    def listen(self, channels: Collection[str]) -> None:
+        self.channels = set(channels)
 
     @property
     def live(self) -> bool:
@@ -117,56 +123,115 @@ class _Notices(Notices):
         self.closed = True
 
 
-def test_a_wait_looks_when_its_key_is_announced_at_most_once_a_poll_and_seldom_otherwise():
-    """Polls 2 s apart, so a look without an announcement is 10 s away: each look asserted below
-    comes seconds before it could come without one, and each look asserted absent could not
-    have come that early."""
+def waits_with_test_notices(poll_s: float) -> tuple[RunWaits, _Notices]:
     made: list[_Notices] = []
-    waits = RunWaits(POLL_S * 1e3, lambda on_notice: made.append(_Notices(on_notice)) or made[-1])
-    looks: queue.Queue[float] = queue.Queue()
+    waits = RunWaits(poll_s * 1e3, lambda on_notice: made.append(_Notices(on_notice)) or made[-1])
+    return waits, made[0]
+
+
+def idle_wait(**fields) -> RunWait:
+    """A wait for one block that never comes, bounded far beyond the test unless ``fields`` say."""
+    return RunWait(**{"fetch_more": lambda: 0, "missing": lambda: 1, "held": lambda: True, "cancelled": lambda: False,
+                      "compute_s": lambda blocks: 3600.0, "stall_s": 3600.0, "first_stall_s": 3600.0,
+                      "pace_blocks": 1, "on_end": lambda end: None, "channel": A} | fields)
+
+
+def test_a_wait_looks_when_its_channel_is_announced_at_most_once_a_poll_and_seldom_otherwise():
+    """Polls 2 s apart, so a look without an announcement is 10 s away: the look an announcement
+    brings comes seconds before that, and looks are never closer than a poll, by the steps' own
+    clock."""
+    waits, notices = waits_with_test_notices(POLL_S)
+    steps: queue.Queue[float] = queue.Queue()
     ends: queue.Queue[WaitEnd] = queue.Queue()
     arrived = threading.Event()
 
     def fetch_more() -> int:
-        looks.put(time.monotonic())
+        steps.put(wait.stepped_at)
         return 1 if arrived.is_set() else 0
 
-    wait = RunWait(fetch_more=fetch_more, missing=lambda: 0 if arrived.is_set() else 1, held=lambda: True,
-                   cancelled=lambda: False, compute_s=lambda blocks: 3600.0, stall_s=3600.0, first_stall_s=3600.0,
-                   pace_blocks=1, on_end=ends.put, key=A)
+    wait = idle_wait(fetch_more=fetch_more, missing=lambda: 0 if arrived.is_set() else 1, on_end=ends.put)
     try:
-        (notices,) = made
         waits.add(wait)
-        first = looks.get(timeout=10)  # a new wait looks at once
-        assert notices.keys == {A}
-        notices.on_notice(B_)  # another key's announcement wakes nobody
-        with pytest.raises(queue.Empty):
-            looks.get(timeout=1.0)
-        notices.on_notice(A)
-        second = looks.get(timeout=6)
-        assert second - first < POLL_S * IDLE_POLLS, "an announcement brought the look forward"
-        notices.on_notice(A)  # a flood of announcements: one look a poll at most
-        with pytest.raises(queue.Empty):
-            looks.get(timeout=1.0)
+        first = steps.get(timeout=10)  # a new wait looks at once
+        assert notices.channels == {A}
+        notices.on_notice(B_, True)
+        assert waits.woken == 0 and not wait.noticed, "another channel's announcement wakes nobody"
+        notices.on_notice(A, True)
+        second = steps.get(timeout=6)
+        assert second - first < POLL_S * IDLE_POLLS, "the announcement brought the look forward"
+        notices.on_notice(A, True)  # a flood of announcements: one look a poll at most
+        notices.on_notice(A, True)
+        third = steps.get(timeout=6)
+        assert third - second >= POLL_S
         arrived.set()
+        notices.on_notice(A, False)  # a subscription confirmed: a look, not counted as woken
         assert ends.get(timeout=10) is WaitEnd.COMPLETE
-        assert notices.keys == set(), "a wait that ended is no longer listened for"
-        assert waits.woken == 2
+        assert notices.channels == set(), "a wait that ended is no longer listened for"
+        assert waits.woken == 3
     finally:
         waits.close()
     assert notices.closed
 
 
+def test_a_quiet_wait_is_still_stepped_when_a_bound_falls_due():
+    """Announcements live and none coming: a wait is stepped ``IDLE_POLLS`` polls apart, sooner
+    when it would stall or turn slower than computing, never sooner than a poll (the clock is
+    the wait's own numbers: nothing here is timed)."""
+    waits, notices = waits_with_test_notices(0.1)
+    try:
+        t = 1000.0
+        quiet = idle_wait(stepped_at=t, last_progress=t)
+        assert waits._due_at(quiet, live=True) == pytest.approx(t + 0.1 * IDLE_POLLS)
+        assert waits._due_at(quiet, live=False) == pytest.approx(t + 0.1), "not live: every poll"
+        assert waits._due_at(idle_wait(stepped_at=t, noticed=True), live=True) == pytest.approx(t + 0.1)
+        stalls = idle_wait(stepped_at=t, last_progress=t - 0.2, first_stall_s=0.45)
+        assert waits._due_at(stalls, live=True) == pytest.approx(t + 0.25)
+        assert waits._due_at(idle_wait(stepped_at=t, last_progress=t, first_stall_s=0.02), live=True) == \
+            pytest.approx(t + 0.1), "never sooner than a poll"
+        # 4 blocks came since the first ones, and computing the 14 missing takes 0.7 s: at that pace
+        # waiting for them turns slower than computing 0.7 * 4 / 14 = 0.2 s after the first ones.
+        pace = idle_wait(stepped_at=t, last_progress=t, first_arrival=t, first_batch=4, received=8,
+                         missing=lambda: 14, compute_s=lambda blocks: 0.05 * blocks, pace_blocks=2)
+        assert pace.slower_at(14) == pytest.approx(t + 0.2)
+        assert waits._due_at(pace, live=True) == pytest.approx(t + 0.2)
+    finally:
+        waits.close()
+
+
+class _Announced(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__(1 << 20)
+        self.announced: list[list[str]] = []
+
+    def announce(self, channels) -> None:
+        self.announced.append(list(channels))
+
+
+def test_a_holder_announces_each_chunk_and_its_end_once_on_its_tokens_channel():
+    store = _Announced()
+    leases = HeldLeases(store, b"worker.7", 60_000, ["kvshare:v1:lease:a"])
+    leases.extend("kvshare:v1:lease:b")
+    leases.announce()
+    leases.end()
+    leases.end()
+    leases.extend("kvshare:v1:lease:c")  # after the end: neither claimed nor announced
+    channel = progress_channel(b"worker.7")
+    assert store.announced == [[channel], [channel]]
+    assert progress_channel(b"x" * 65) is None and progress_channel(b"a b") is None and progress_channel(b"") is None, (
+        "a token no worker makes, read from the store, names no channel")
+
+
 def test_a_waiter_looks_when_the_holder_announces_its_chunks(tiny_model, redis_server, redis_url):
     """The holder's publishes wait at a gate until the waiter is waiting and subscribed; then the
-    waiter, which without announcements would look only every 5 s, is woken by them, takes every
+    waiter, which polls only every 5 s while subscribed, is woken by the announcements, takes every
     block and answers as cold."""
     gate = threading.Event()
     holder_store = open_store(redis_url, StoreOptions(), CacheStats())
     put_many = holder_store.put_many
     holder_store.put_many = lambda items: gate.wait() and put_many(items)
+    # A lease of 2 x 100 ms x 384 tokens + 0.5 s: the gate holds up its renewals, not its life.
     holder = make_engine(tiny_model, holder_store, cache_dtype="float32", max_prefill_tokens_per_step=32,
-                         leases=LeaseOptions(wait_factor=100))
+                         leases=LeaseOptions(wait_factor=100, first_ms_per_token=100))
     waiter = make_engine(tiny_model, open_store(redis_url, StoreOptions(), CacheStats()), cache_dtype="float32",
                          max_prefill_tokens_per_step=32, leases=LeaseOptions(wait_factor=100, poll_ms=1000))
     ids = prompt(PREFIX, 77)
@@ -182,13 +247,13 @@ def test_a_waiter_looks_when_the_holder_announces_its_chunks(tiny_model, redis_s
             threads = [ask("holder", holder)]
             wait_until(lambda: client.exists(lease_of(holder, ids, 0)), what="the holder's lease")
             threads.append(ask("waiter", waiter))
-            wait_until(lambda: waiter.waits.waiting == 1 and waiter.waits.woken >= 1,
+            wait_until(lambda: waiter.waits.waiting == 1 and waiter.waits.live,
                        what="the waiter waiting, its subscription confirmed")
             gate.set()
             for thread in threads:
                 thread.join(timeout=120)
         assert waiter.cache_stats.lease_waits == {"complete": 1}
-        assert waiter.waits.woken >= 2, "the holder's announcements woke the waiter"
+        assert waiter.waits.woken >= 1, "the holder's announcements woke the waiter"
         assert answers["waiter"][2].usage.cached_prompt_tokens == PREFIX - 1, "all but the last token, as a warm request"
         assert answers["waiter"][0] == answers["holder"][0] == alone(waiter, request(ids, n=8))[0]
     finally:

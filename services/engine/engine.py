@@ -38,6 +38,7 @@ from cachestore.keys import (
     cross_key,
     encoder_input_hash,
     lease_key,
+    progress_channel,
 )
 from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixLookup, PrefixStore
 from cachestore.ratelimit import RateLimitedLog
@@ -215,7 +216,7 @@ class Engine:
         self.slots = open_slots(session, scheduling.max_batch, spec.context_length)
         self.tokens = Tokens(uuid.uuid4().hex.encode())
         """Lease tokens: this worker, and which of its rows holds a lease."""
-        self.waits = RunWaits(options.leases.poll_ms, self.store.notices)
+        self.waits = RunWaits(options.leases.poll_ms, self.store.notices if options.leases.enabled else None)
         self._awaiting: dict[str, tuple[Sequence, int]] = {}
         """Leases of other workers that a row of this one waits on, with that row and how many
         blocks it awaits (under ``_publish_lock``)."""
@@ -519,7 +520,7 @@ class Engine:
             first_stall_s=max(stall_ms, factor * pace.expected_ms(run * size)) / 1e3,
             pace_blocks=-(-2 * chunk // size),
             on_end=end,
-            key=key,
+            channel=progress_channel(holder),
         )
         self.waits.add(wait)
         return False
@@ -564,7 +565,7 @@ class Engine:
             first_stall_s=bound_s,
             pace_blocks=chunk_blocks,
             on_end=end,
-            key=trail.key,
+            channel=progress_channel(trail.holder),
         ))
         return result
 

@@ -9,8 +9,8 @@ machine keeps its lease while it makes progress, and one that died loses it afte
 lease is written under the sequence's own token (the worker's token and a row number), so that one
 row's end never ends a lease another row of the same worker holds. ``end`` releases them all
 (compare-and-delete); a lease never released expires. After each chunk and after the end, the
-holder announces on every key it leased (``KVStore.announce``), so that waiters look then rather
-than polling in between.
+holder announces on its token's channel (``KVStore.announce``, ``keys.progress_channel``), so that
+waiters on any of its leases look then rather than polling in between.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass, field
 from enum import Enum
 
+from cachestore.keys import progress_channel
 from cachestore.store import KVStore
 
 
@@ -65,8 +66,6 @@ class HeldLeases:
     ttl_ms: int
     keys: list[str]
     """Held now."""
-    claimed: list[str] = field(default_factory=list)
-    """Every key these leases took, held or ended: their waiters hear of each chunk and the end."""
     _ended: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -82,19 +81,17 @@ class HeldLeases:
         if self.store.claim(key, self.token, self.ttl_ms) == self.token:
             with self._lock:
                 self.keys.append(key)
-                self.claimed.append(key)
                 ended = self._ended
-            if ended:  # ended while claiming: nobody else will release it
+            if ended:  # ended while claiming: nobody else will release it, nor tell its waiters
                 self.store.release(key, self.token)
-
-    def __post_init__(self) -> None:
-        self.claimed = list(self.keys)
+                self.announce()
 
     def announce(self) -> None:
-        """Tells the waiters on these leases to look: blocks were published (after ``extend``)."""
-        with self._lock:
-            keys = list(self.claimed)
-        self.store.announce(keys)
+        """Tells the waiters on these leases to look (blocks were published, or the leases ended),
+        on the holder's channel: one announcement whatever the number of keys held."""
+        channel = progress_channel(self.token)
+        if channel is not None:
+            self.store.announce([channel])
 
     def end(self) -> None:
         with self._lock:
