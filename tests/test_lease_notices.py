@@ -7,17 +7,22 @@ time it cannot happen before, never that something is fast."""
 import asyncio
 import queue
 import threading
+import time
+import types
 from collections.abc import Callable, Collection
 
 import pytest
+import redis
 from conftest import wait_until
 from test_batching import alone, make_engine, prompt, request, run_stream
 from test_single_flight import PREFIX, lease_of
 
+from cachestore import redis_notices
 from cachestore.breaker import BreakerState
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import progress_channel
 from cachestore.memory import MemoryStore
+from cachestore.redis_notices import RedisNotices
 from cachestore.stats import CacheStats
 from cachestore.store import Notices
 from services.engine.leases import HeldLeases
@@ -101,6 +106,85 @@ def test_announcements_stop_while_redis_is_down_and_resume_after(redis_server, r
         notices.close()
         store.close()
         other.close()
+
+
+def test_an_announcement_with_a_payload_drops_the_subscription_for_a_pause(redis_server, redis_url):
+    """Workers announce nothing but the channel: a message that carries bytes is a hostile
+    writer's, read once; the subscription is dropped (its listeners poll) and taken again later."""
+    store = open_store(redis_url, StoreOptions(), CacheStats())
+    heard: queue.Queue[tuple[str, bool]] = queue.Queue()
+    notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
+    try:
+        notices.listen({A})
+        assert heard.get(timeout=10) == (A, False)
+        with redis_server.client() as client:
+            client.publish(A, b"x" * 1_000_000)
+        assert heard.get(timeout=10) == (A, False), "dropped: a look once"
+        assert heard.get(timeout=10) == (A, False), "subscribed again after the pause"
+        assert notices.live
+    finally:
+        notices.close()
+        store.close()
+
+
+class _Refused:
+    """A connection factory for a Redis that refuses every connection; counts the attempts."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+
+    def __call__(self):
+        self.attempts += 1
+        raise redis.ConnectionError("refused")
+
+
+def test_a_failed_subscription_pauses_whatever_the_channels_do(monkeypatch):
+    """Waits coming and going while the store refuses (an ACL without the channels, a server
+    down) do not each try again: one attempt, then a pause (30 s here, so that nothing in the
+    test can outlast it), which only ``close`` cuts short."""
+    monkeypatch.setattr(redis_notices, "RETRY_S", 30.0)
+    connect = _Refused()
+    notices = RedisNotices(connect, lambda channel, announced: None, "refusing")
+    notices.listen({A})
+    wait_until(lambda: connect.attempts == 1, what="the first attempt")
+    for channels in ({A, B_}, {B_}, set(), {C}, {A, C}):
+        notices.listen(channels)
+    assert not notices.live
+    closed = time.monotonic()
+    notices.close()
+    assert connect.attempts == 1
+    assert time.monotonic() - closed < redis_notices.CLOSE_S + 1, "close cut the pause short"
+
+
+class _StuckPubSub:
+    """A subscription whose read never returns (a server trickling one byte at a time)."""
+
+    def __init__(self) -> None:
+        self.reading, self.release = threading.Event(), threading.Event()
+
+    def subscribe(self, *channels) -> None:
+        pass
+
+    def get_message(self, timeout):
+        self.reading.set()
+        self.release.wait()
+        return {"type": "message", "channel": A.encode(), "data": b""}
+
+    def close(self) -> None:
+        pass
+
+
+def test_close_does_not_wait_on_a_read_that_never_ends():
+    pubsub, heard = _StuckPubSub(), []
+    client = types.SimpleNamespace(pubsub=lambda: pubsub, close=lambda: None)
+    notices = RedisNotices(lambda: client, lambda channel, announced: heard.append(channel), "stuck")
+    notices.listen({A})
+    assert pubsub.reading.wait(10)
+    notices.close()  # returns after CLOSE_S with the thread still in its read
+    assert notices._thread.is_alive()
+    pubsub.release.set()
+    notices._thread.join(10)
+    assert heard == [], "nothing is called once closed"
 
 
 class _Notices(Notices):
