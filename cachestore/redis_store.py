@@ -242,18 +242,18 @@ class RedisStore(KVStore):
             self._lease_script = self._client.register_script(_IF_HELD)
         self._lease_script(keys=[key], args=[token, ttl_ms])
 
-    def announce(self, keys: Sequence[str]) -> None:
+    def announce(self, channels: Sequence[str]) -> None:
         """``PUBLISH`` on each channel: pipelined on one server; on a cluster one at a time (its
         pipelines refuse it), each to the node of the channel's slot, which relays it to every other."""
-        if not keys:
+        if not channels:
             return
         if self._cluster:
-            for key in keys:
-                self._client.publish(key, b"")
+            for channel in channels:
+                self._client.publish(channel, b"")
             return
         pipe = self._client.pipeline(transaction=False)
-        for key in keys:
-            pipe.publish(key, b"")
+        for channel in channels:
+            pipe.publish(channel, b"")
         pipe.execute()
 
     def notices(self, on_notice: Callable[[str, bool], None]) -> Notices:

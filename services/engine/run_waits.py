@@ -236,7 +236,7 @@ class RunWaits:
                         self._cond.wait()
                         continue
                     now = time.monotonic()
-                    live = self._notices is not None and self._notices.live
+                    live = self.live
                     due_at = min(self._due_at(wait, live) for wait in self._waits)
                     if due_at <= now:
                         break
