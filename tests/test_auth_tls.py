@@ -3,7 +3,6 @@
 
 import hashlib
 import os
-import queue
 import re
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from test_lease_notices import listening
 
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import progress_channel
@@ -203,8 +203,7 @@ def test_the_documented_acl_user_runs_every_store_operation(redis_server, cluste
         stats = CacheStats()
         store = open_store(url, StoreOptions(username="kvshare-doc", password="doc-password"), stats)
         stack.callback(store.close)
-        heard: queue.Queue[tuple[str, bool]] = queue.Queue()
-        notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
+        notices, heard = listening(store)
         stack.callback(notices.close)
         blocks = [(f"kvshare:v1:blk:{i}", b"%d" % i) for i in range(6)]
         assert store.put_many(blocks) == len(blocks)

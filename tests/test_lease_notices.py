@@ -39,10 +39,15 @@ A, B_, C = (progress_channel(b"worker.%d" % row) for row in range(3))
 POLL_S = 2.0
 
 
+def listening(store) -> tuple[Notices, queue.Queue[tuple[str, bool]]]:
+    """A subscription of ``store``'s, and the queue of what it heard: (channel, announced)."""
+    heard: queue.Queue[tuple[str, bool]] = queue.Queue()
+    return store.notices(lambda channel, announced: heard.put((channel, announced))), heard
+
+
 def test_an_announcement_reaches_the_listeners_of_its_key_only(redis_url):
     store, other = (open_store(redis_url, StoreOptions(), CacheStats()) for _ in range(2))
-    heard: queue.Queue[tuple[str, bool]] = queue.Queue()
-    notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
+    notices, heard = listening(store)
     try:
         assert notices.live, "listening to nothing: nothing is missed"
         notices.listen({A})
@@ -68,8 +73,7 @@ def test_announcements_cross_a_redis_cluster():
     with RedisClusterServers() as cluster:
         stats = CacheStats()
         store, other = open_store(cluster.url, StoreOptions(), CacheStats()), open_store(cluster.url, StoreOptions(), stats)
-        heard: queue.Queue[tuple[str, bool]] = queue.Queue()
-        notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
+        notices, heard = listening(store)
         try:
             notices.listen(channels)
             assert {heard.get(timeout=10) for _ in channels} == {(c, False) for c in channels}
@@ -85,8 +89,7 @@ def test_announcements_cross_a_redis_cluster():
 
 def test_announcements_stop_while_redis_is_down_and_resume_after(redis_server, redis_url):
     store, other = (open_store(redis_url, StoreOptions(), CacheStats()) for _ in range(2))
-    heard: queue.Queue[tuple[str, bool]] = queue.Queue()
-    notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
+    notices, heard = listening(store)
     try:
         notices.listen({A})
         assert heard.get(timeout=10) == (A, False)
@@ -112,8 +115,7 @@ def test_an_announcement_with_a_payload_drops_the_subscription_for_a_pause(redis
     """Workers announce nothing but the channel: a message that carries bytes is a hostile
     writer's, read once; the subscription is dropped (its listeners poll) and taken again later."""
     store = open_store(redis_url, StoreOptions(), CacheStats())
-    heard: queue.Queue[tuple[str, bool]] = queue.Queue()
-    notices = store.notices(lambda channel, announced: heard.put((channel, announced)))
+    notices, heard = listening(store)
     try:
         notices.listen({A})
         assert heard.get(timeout=10) == (A, False)

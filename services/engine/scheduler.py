@@ -494,14 +494,10 @@ class Scheduler:
             return
         t = time.perf_counter()
         self._assemble(seq)
-        copied = tokens - seq.prefilled
         self.slots.share(row.slot, seq.slot, tokens)
-        seq.prefilled = tokens
-        seq.usage.cached_prompt_tokens += copied
         if not row.cache.skip_write:  # the row (or the store) has those blocks published
             seq.published_blocks = max(seq.published_blocks, tokens // seq.namespace.block_size)
-        self.stats.shared_tokens += copied
-        seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
+        self.stats.shared_tokens += self._copied(seq, tokens, t)
 
     def _adopt(self, seq: Sequence, ahead: Ahead) -> None:
         """Puts blocks that another worker published (``Trail``) after the sequence's tokens:
@@ -510,14 +506,21 @@ class Scheduler:
         if seq.done or ahead.start != seq.prefilled or ahead.tokens <= seq.prefilled:
             return
         t = time.perf_counter()
-        copied = ahead.tokens - seq.prefilled
         self.slots.append(seq.slot, ahead.blocks, ahead.tokens)
-        seq.prefilled = ahead.tokens
-        seq.usage.cached_prompt_tokens += copied
         seq.published_blocks = max(seq.published_blocks,
                                    ahead.start // seq.namespace.block_size + len(ahead.blocks))
-        self.stats.adopted_tokens += copied
-        seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
+        self.stats.adopted_tokens += self._copied(seq, ahead.tokens, t)
+
+    @staticmethod
+    def _copied(seq: Sequence, tokens: int, began: float) -> int:
+        """Books the prompt tokens up to ``tokens`` that were just copied into ``seq``'s slot from
+        elsewhere (another row, another worker's blocks) as cached, the copy's time (since
+        ``began``, perf_counter) as fetching; returns how many tokens that was."""
+        copied = tokens - seq.prefilled
+        seq.prefilled = tokens
+        seq.usage.cached_prompt_tokens += copied
+        seq.timings.cache_fetch_ms += (time.perf_counter() - began) * 1e3
+        return copied
 
     def _prefill(self, seq: Sequence, n: int) -> np.ndarray | None:
         """Runs the next ``n`` prompt tokens of ``seq``; the logits once the prompt is done, else None."""
