@@ -507,7 +507,7 @@ def test_what_a_look_brought_goes_only_where_the_row_stood_when_it_began(model_d
         hashes = block_hashes(engine.namespace(""), ids)
         store.delete([block_key(hashes[0])])
         store.leases[lease_key(hashes[0])] = b"a-worker-not-there-yet"
-        gate, looks, real = threading.Event(), [], engine.look_ahead
+        gate, looks, real = threading.Event(), [], engine.connector.scheduler_side.look_ahead
 
         def held_back(seq):
             inner, out = real(seq), Future()
@@ -517,7 +517,7 @@ def test_what_a_look_brought_goes_only_where_the_row_stood_when_it_began(model_d
                              daemon=True).start()
             return out
 
-        engine.look_ahead = held_back
+        engine.connector.scheduler_side.look_ahead = held_back
 
         def row():
             return next((s for s in engine.scheduler.active if s.prompt == ids), None)

@@ -19,8 +19,8 @@ from cachestore.resilient import ResilientStore
 from cachestore.store import ERROR_KINDS
 from cachestore.tiered import TieredStore
 from services.engine.engine import Engine
+from services.engine.generation import RequestRecord
 from services.engine.run_waits import WaitEnd
-from services.engine.sequence import Sequence
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 _GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
@@ -129,19 +129,19 @@ class WorkerMetrics:
         r.register(_EngineCollector(engine))
         engine.request_observers.append(self.observe)
 
-    def observe(self, seq: Sequence, outcome: str, total_s: float) -> None:
-        u, t = seq.usage, seq.timings
-        self.requests.labels(outcome).inc()
+    def observe(self, record: RequestRecord) -> None:
+        u, t = record.usage, record.timings
+        self.requests.labels(record.outcome).inc()
         self.prompt_tokens.inc(u.prompt_tokens)
         self.generation_tokens.inc(u.completion_tokens)
-        if not seq.cache.skip_read:
+        if record.read_cache:
             self.queries.inc(u.prompt_tokens)
             self.hits.inc(u.cached_prompt_tokens)
         if u.completion_tokens:
             self.ttft.labels("hit" if u.cached_prompt_tokens else "miss").observe(t.time_to_first_token_ms / 1e3)
-            self.e2e.observe(total_s)
+            self.e2e.observe(record.total_s)
             self.fetch.observe(t.cache_fetch_ms / 1e3)
-        for gap in np.diff(seq.token_times).tolist():
+        for gap in np.diff(record.token_times).tolist():
             self.itl.observe(gap)
 
     def serve(self, host: str, port: int) -> None:

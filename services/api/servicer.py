@@ -28,7 +28,7 @@ from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.api_keys import ApiKeys
 from services.engine.encoder_input import EncoderFeatures, EncoderRequest
-from services.engine.engine import MAX_STOP_TOKEN_IDS, Engine
+from services.engine.engine import Engine
 from services.engine.generation import (
     BeamSearch,
     CacheControl,
@@ -39,6 +39,7 @@ from services.engine.generation import (
     TokenizeResult,
     TokenLogprob,
 )
+from services.engine.input_processor import MAX_STOP_TOKEN_IDS
 from services.engine.request_limits import MAX_MESSAGES
 from services.engine.sampling import SamplingConfig
 from services.errors import (

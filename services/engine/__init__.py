@@ -1,2 +1,3 @@
-"""The engine: request validation, the scheduler that batches every sequence of a worker, sampling
-and text streaming. Knows models, tokens and a store interface; knows nothing of gRPC."""
+"""The engine: an input processor, a KV connector, a scheduler that plans steps, a model runner
+that runs them, and an output processor, wired by ``engine.Engine``. Knows models, tokens and a
+store interface; knows nothing of gRPC."""

@@ -159,3 +159,20 @@ class GenerationChunk:
     """With finish reason STOP: the stop string (str) or stop token id (int) that matched."""
     beam_score: float | None = None
     """Beam search, on the final chunk: the hypothesis' length-normalised score."""
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """What the engine tells its request observers (metrics) once per request that ends."""
+
+    request_id: str
+    outcome: str
+    """The finish reason's value, or "cancelled or failed"."""
+    total_s: float
+    """Seconds from receiving the request to its end."""
+    usage: Usage
+    timings: Timings
+    read_cache: bool
+    """Whether the prompt was looked up in the prefix cache (its tokens count as queries)."""
+    token_times: list[float]
+    """perf_counter() at which each generated token was sampled (the inter-token gaps)."""

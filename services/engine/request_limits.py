@@ -7,13 +7,17 @@ INVALID_ARGUMENT, naming the field, the limit and the flag that raises it.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.engine.generation import GenerationRequest
 from services.errors import InvalidRequest
 from services.runtime.chat_template import Message
-from services.runtime.tokenizer import TokenBytes
+from services.runtime.model_spec import ModelSpec
+from services.runtime.tokenizer import TextTokenizer, TokenBytes
+
+log = logging.getLogger(__name__)
 
 MAX_MESSAGES = 4096
 """Messages in one conversation: each renders to at least a few template tokens, so a request of
@@ -84,3 +88,26 @@ class RequestLimits:
         if size > self.prompt_bytes:
             raise InvalidRequest(field, f"{size} {what}; at most {self.prompt_bytes} ({self.prompt_bytes_origin}; "
                                  "the worker's --max-prompt-bytes, env KVSHARE_MAX_PROMPT_BYTES, sets it)")
+
+
+def limits_for(spec: ModelSpec, tokenizer: TextTokenizer, max_prompt_bytes: int, max_stop_strings: int,
+               max_stop_string_bytes: int) -> RequestLimits:
+    """The limits of a worker serving ``spec``: ``max_prompt_bytes`` as the operator set it, or 0
+    to derive the most text that can fit the model's (or its encoder's) context."""
+    if max_prompt_bytes:
+        prompt_bytes, origin = max_prompt_bytes, "set by the operator"
+    else:
+        token_bytes = tokenizer.token_bytes()
+        context = max(spec.context_length, (spec.encoder and spec.encoder.context_length) or 0)
+        prompt_bytes = derived_prompt_bytes(context, token_bytes)
+        origin = (f"the most text that can fit the model's context of {context} tokens, at most "
+                  f"{token_bytes.longest} bytes per token")
+        if token_bytes.shrinker is not None:
+            origin = (f"{SHRINKING_TOKENIZER_FACTOR}x the context of {context} tokens at {token_bytes.longest} "
+                      f"bytes per token, since the tokenizer's {token_bytes.shrinker} can drop text")
+            log.warning("the tokenizer's %s can drop or shorten text, so no prompt size is too large to fit the "
+                        "context; prompts are limited to %d bytes (--max-prompt-bytes sets another limit)",
+                        token_bytes.shrinker, prompt_bytes)
+    log.info("requests: prompts up to %d bytes (%s), %d stop strings of up to %d bytes", prompt_bytes, origin,
+             max_stop_strings, max_stop_string_bytes)
+    return RequestLimits(prompt_bytes, origin, max_stop_strings, max_stop_string_bytes)

@@ -42,6 +42,10 @@ IDLE_POLLS = 5
 """While the store announces the holder's chunks, a wait with no announcement is still stepped this
 many polls apart (and when a bound falls due): it notices an announcement lost a little later."""
 
+MIN_PACE_TOKENS = 32
+"""Prefill chunks shorter than this do not move the measured pace: a chunk of a few tokens costs
+its fixed overhead, not its tokens."""
+
 MIN_STALL_MS = 100.0
 """The shortest stall a wait tolerates (ms): a publish takes a round trip or two, even when the
 holder's chunks are quick."""

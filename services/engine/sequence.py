@@ -3,32 +3,24 @@
 A sequence moves ``QUEUED → FETCHING → PREFILLING → DECODING → FINISHED`` (any phase can jump to
 FINISHED when its consumer goes away). The rows of a request with several samples or beams form a
 ``SequenceGroup``: its leader alone fetches and prefills; the others go ``QUEUED → WAITING`` and
-receive a copy of the leader's K/V when its prompt is done, then decode as rows of their own. The scheduler thread owns every field except the ones the
-consumer (the request's coroutine on the event loop) touches: it drains ``outbox`` and sets
-``aborted`` through the scheduler.
+receive a copy of the leader's K/V when its prompt is done, then decode as rows of their own. The
+scheduler thread owns every field except the ones the consumer (the request's coroutine on the
+event loop) touches: it drains ``outbox`` and sets ``aborted`` through the scheduler. Where the
+prompt's K/V comes from and goes to is the KV connector's, in ``kv``.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
 
 import numpy as np
 
-from cachestore.keys import BlockHash, Namespace
-from cachestore.prefix import PrefixLookup
 from services.engine.beam_search import BeamState
-from services.engine.generation import (
-    CacheControl,
-    FinishReason,
-    Timings,
-    TokenLogprob,
-    Usage,
-)
-from services.engine.leases import HeldLeases
+from services.engine.generation import FinishReason, Timings, TokenLogprob, Usage
+from services.engine.kv_connector.state import SequenceKV
 from services.engine.penalties import LogitsAdjuster
 from services.engine.sampling import Sampler
 from services.runtime.slots import Slot
@@ -66,49 +58,6 @@ class SequenceGroup:
 
 
 @dataclass(slots=True, eq=False)
-class Trail:
-    """A row whose wait for another worker's blocks ended before they all came (the holder looked
-    stalled or slower than computing) computes them itself, one chunk at a time; before each
-    further chunk it waits for the holder's blocks again, but only as long as computing that chunk
-    takes it now (the cost of the chunk it just computed, under the load it shares). What comes
-    it takes; when the whole chunk came in time it waits again, else it computes the next chunk.
-    A holder that only looked slow, because the machine was busy, is followed again; one that is
-    really behind costs a short wait per chunk and never sets the row's pace. Two waits in a row
-    that bring less than a chunk end the trail."""
-
-    key: str
-    """The lease the row stopped waiting on, and its holder's token."""
-    holder: bytes
-    look: Future | None = None
-    """The wait in flight: an ``Ahead``, or None when nothing came."""
-    give_up_at: float = 0.0
-    """time.monotonic() past which the row stops waiting for that wait (a store that hangs
-    holds its polls up): twice its bound."""
-    looked: bool = True
-    """Whether a wait since the row's last chunk brought less than a chunk (it computes the next
-    one). True at the start: the wait that just ended did, so the first chunk comes first."""
-    misses: int = 0
-    """Waits in a row that brought less than a chunk."""
-    ms_per_token: float = 0.0
-    """What the row's latest chunk of at least ``MIN_PACE_TOKENS`` cost (ms per prompt token):
-    the next wait's bound. Not the worker's smoothed pace, which lags a machine that has just
-    become busy."""
-
-
-@dataclass(frozen=True, slots=True)
-class Ahead:
-    """What a ``Trail``'s wait brought: canonical blocks from prompt token ``start`` on (where the
-    row stood when the wait began), the prompt tokens the row holds with them (capped as cached
-    tokens are: the last prompt token always runs), and whether they came at least as fast as the
-    row would have computed them, wait factor included."""
-
-    start: int
-    blocks: list[np.ndarray]
-    tokens: int
-    kept_up: bool
-
-
-@dataclass(slots=True, eq=False)
 class Sequence:
     request_id: str
     prompt: list[int]
@@ -118,13 +67,12 @@ class Sequence:
     """The model's EOS ids (empty when the request ignores EOS): they end the sequence with EOS."""
     stop_ids: frozenset[int]
     """The request's stop token ids: they end the sequence with STOP."""
-    namespace: Namespace
-    cache: CacheControl
     t0: float
     """perf_counter() when the engine received the request; timings are measured from it."""
     loop: asyncio.AbstractEventLoop
+    kv: SequenceKV
+    """What the KV connector keeps of this row: keys, lookup, leases, publishes (``kv_connector.state``)."""
     encoder_input: np.ndarray | None = None
-    encoder_hash: BlockHash | None = None
     return_logits: bool = False
     """Keep each sampled position's logits (float32 ``[vocab]``) in ``logits``; for checks."""
     adjust: LogitsAdjuster | None = None
@@ -143,24 +91,8 @@ class Sequence:
     """Requests admitted ahead of this one while it waited at the head of the queue for slots."""
     phase: Phase = Phase.QUEUED
     slot: Slot | None = None
-    lookup: PrefixLookup | None = None
-    cross_kv: np.ndarray | None = None
-    """Encoder-decoder models: cross K/V found in the store, until copied into the slot."""
     prefilled: int = 0
     """Prompt tokens whose K/V the slot holds (or will, once the cached blocks are copied in)."""
-    published_blocks: int = 0
-    """Prompt blocks in the store or on their way there (found, published, or held by the row
-    they were copied from): each chunk publishes the full blocks past these."""
-    awaiting: bool = False
-    """Its fetch waits in the store for blocks another worker computes (``run_waits``); the
-    worker's other rows that lack the same blocks wait for this row instead of the store."""
-    publishing: Future | None = None
-    """The sequence's latest publish of prompt blocks: the next one starts after it."""
-    lease: HeldLeases | None = None
-    """The leases this row holds on computing the prompt's uncached blocks, until its prompt is
-    done (or it ends)."""
-    trail: Trail | None = None
-    """Set when its wait for another worker's blocks ended early (see ``Trail``)."""
     assembled: bool = False
     """Whether the cached blocks (and cross K/V) are in the slot yet."""
     next_token: int = -1

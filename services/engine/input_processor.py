@@ -1,0 +1,262 @@
+"""The input processor: a request checked, tokenized and turned into the rows the scheduler runs.
+
+Sizes are checked first, on the event loop (``RequestLimits``: O(request size), so an oversized
+request is refused at once); everything else (the fields, the chat template, tokenizing, the
+encoder input, the stop automaton) runs on the tokenizer threads (``OffLoop``). Every refusal names
+the field and what would be accepted (``InvalidRequest``, ``RequestOutOfRange``,
+``FailedPrecondition``). Reads the sessions' I/O contract (what the encoder takes, whether the
+decoder emits every position's logits), never runs them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from typing import TypeVar
+
+from services.engine.beam_search import BeamState
+from services.engine.encoder_input import encoder_array
+from services.engine.generation import (
+    CacheControl,
+    GenerationRequest,
+    PreparedRequest,
+    TokenizeRequest,
+    TokenizeResult,
+    Usage,
+)
+from services.engine.kv_connector.state import SequenceKV
+from services.engine.logprobs import MAX_TOP_LOGPROBS
+from services.engine.off_loop import OffLoop
+from services.engine.penalties import LogitsAdjuster
+from services.engine.request_limits import RequestLimits
+from services.engine.sampling import Sampler
+from services.engine.sequence import Sequence, SequenceGroup
+from services.engine.stop_matcher import StopMatcher
+from services.errors import FailedPrecondition, InvalidRequest, RequestOutOfRange
+from services.runtime.chat_template import BrokenChatTemplate, ChatTemplate, ChatTemplateError, Message
+from services.runtime.model_spec import ModelSpec
+from services.runtime.onnx_decoder import DecoderSession
+from services.runtime.onnx_encoder import EncoderSession
+from services.runtime.tokenizer import TextTokenizer, TooManyTokens
+
+R = TypeVar("R")
+MAX_STOP_TOKEN_IDS = 64
+
+
+class InputProcessor:
+    def __init__(self, spec: ModelSpec, decoder: DecoderSession, encoder: EncoderSession | None,
+                 tokenizer: TextTokenizer, limits: RequestLimits, max_new_tokens_cap: int, max_rows: int,
+                 off_loop: OffLoop) -> None:
+        self.spec = spec
+        self._decoder = decoder
+        self._encoder = encoder
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.max_new_tokens_cap = max_new_tokens_cap
+        self.max_rows = max_rows
+        """Rows one request may hold (n samples, beams): the worker's batch."""
+        self._off_loop = off_loop
+        self.chat_template: ChatTemplate | None = None
+        """The folder's chat template (set by ``Engine.load``), for requests given as messages."""
+
+    async def prepare_async(self, request: GenerationRequest) -> PreparedRequest:
+        """``prepare`` in two parts: the size checks on the event loop (an oversized request is
+        refused at once, not after waiting behind other requests' tokenizing), the rest on a
+        tokenizer thread."""
+        self.limits.check_generation(request)
+        return await self._off_loop.run(self.tokenized, request)
+
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Validates and tokenizes ``request``; raises InvalidRequest (or RequestOutOfRange) naming
+        the field."""
+        self.limits.check_generation(request)
+        return self.tokenized(request)
+
+    def tokenized(self, request: GenerationRequest) -> PreparedRequest:
+        """Everything of ``prepare`` after the size checks: the cheap checks first, then the work
+        (rendering, tokenizing, the encoder input, the stop automaton)."""
+        self._check_generation_fields(request)
+        encoder_input = encoder_array(request.encoder, self.spec, self.tokenizer, self._encoder)
+        if encoder_input is not None and not request.prompt and not request.prompt_token_ids:
+            # An encoder-decoder model's decoder starts from its start token when given no prompt.
+            if self.spec.decoder_start_token_id is None:
+                raise InvalidRequest("prompt", f"model {self.spec.name} names no decoder start token: give a decoder prompt")
+            ids = [self.spec.decoder_start_token_id]
+        else:
+            ids = self._prompt_ids(request)
+        if len(ids) + request.max_new_tokens > self.spec.context_length:
+            raise self._beyond_context(len(ids), request.max_new_tokens)
+        return PreparedRequest(ids, encoder_input, StopMatcher(request.stop) if request.stop else None)
+
+    def render_chat(self, messages: list[Message]) -> str:
+        """The prompt text of ``messages`` by the folder's chat template, generation prompt added."""
+        if self.chat_template is None:
+            raise FailedPrecondition(f"model {self.spec.name} has no chat template (tokenizer_config.json "
+                                     "chat_template): send prompt or prompt_token_ids")
+        try:
+            return self.chat_template.render(messages)
+        except ChatTemplateError as exc:
+            raise InvalidRequest("messages", str(exc)) from exc
+        except BrokenChatTemplate as exc:
+            raise FailedPrecondition(str(exc)) from exc
+
+    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R]) -> R:
+        """The Tokenize call: text or messages to ids, or ids to text; returns ``shape(result)``.
+        Sizes are checked on the event loop; the rest, ``shape`` included, runs on a tokenizer
+        thread: turning a million ids into the caller's message must not hold the loop."""
+        self.limits.check_prompt("text", request.text, request.messages)
+        return await self._off_loop.run(lambda r: shape(self._tokenize(r)), request)
+
+    def rows(self, request: GenerationRequest, prepared: PreparedRequest, t0: float,
+             kv_states: Callable[[CacheControl, int], list[SequenceKV]]) -> list[Sequence]:
+        """The request's sequences: one, or a group of n samples (sample i seeded ``seed + i``) or
+        num_beams beams sharing one event that wakes the consumer. ``kv_states(cache, rows)`` gives
+        the KV connector's state of each row; ``t0`` is when the request came (perf_counter)."""
+        beams = request.beams
+        count = beams.num_beams if beams.on else request.n
+        # Prompt log-probabilities need logits where the prompt is computed: nothing is read.
+        cache = replace(request.cache, skip_read=True) if request.prompt_logprobs else request.cache
+        eos = frozenset() if request.ignore_eos else frozenset(self.spec.eos_token_ids)
+        stop_ids = frozenset(request.stop_token_ids)
+        request_id = request.request_id or uuid.uuid4().hex
+        ready = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        rows = []
+        for i, kv in enumerate(kv_states(cache, count)):
+            sampling = request.sampling
+            if sampling.seed is not None and i:
+                sampling = replace(sampling, seed=(sampling.seed + i) % 2**64)
+            adjust = None
+            if LogitsAdjuster.needed(sampling, request.min_new_tokens):
+                adjust = LogitsAdjuster(sampling, prepared.ids, self.spec.vocab_size, eos | stop_ids, request.min_new_tokens)
+            rows.append(Sequence(
+                request_id=request_id,
+                prompt=prepared.ids,
+                max_new_tokens=request.max_new_tokens,
+                sampler=Sampler(sampling),
+                eos_ids=eos,
+                stop_ids=stop_ids,
+                t0=t0,
+                loop=loop,
+                kv=kv,
+                encoder_input=prepared.encoder_input,
+                return_logits=request.return_logits,
+                usage=Usage(prompt_tokens=len(prepared.ids)),
+                adjust=adjust,
+                logprobs=request.logprobs,
+                top_logprobs=request.top_logprobs,
+                prompt_logprobs=[] if request.prompt_logprobs and i == 0 else None,
+                index=i,
+                ready=ready,
+            ))
+        if count > 1:
+            group = SequenceGroup(rows, BeamState(beams, eos | stop_ids) if beams.on else None,
+                                  outputs=request.n if beams.on else count)
+            for seq in rows:
+                seq.group = group
+        return rows
+
+    def _check_generation_fields(self, request: GenerationRequest) -> None:
+        cap = self.max_new_tokens_cap
+        if not 1 <= request.max_new_tokens <= cap:
+            raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap} (the worker's --max-new-tokens-cap), "
+                                 f"got {request.max_new_tokens}")
+        if request.min_new_tokens > request.max_new_tokens:
+            raise InvalidRequest("min_new_tokens", f"must not exceed max_new_tokens ({request.max_new_tokens}), "
+                                 f"got {request.min_new_tokens}")
+        s = request.sampling
+        if not (math.isfinite(s.temperature) and s.temperature >= 0.0):
+            raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
+        if not 0.0 < s.top_p <= 1.0:
+            raise InvalidRequest("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+        if not 0.0 <= s.min_p <= 1.0:
+            raise InvalidRequest("sampling.min_p", f"must be in [0, 1] (0 = off), got {s.min_p}")
+        if not 0.01 <= s.repetition_penalty <= 100.0:  # beyond, logits overflow float32 (1e-38: every one inf)
+            raise InvalidRequest("sampling.repetition_penalty", f"must be in [0.01, 100] (1 = off), got {s.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(s, name) <= 2.0:
+                raise InvalidRequest(f"sampling.{name}", f"must be in [-2, 2] (0 = off), got {getattr(s, name)}")
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got more than {MAX_STOP_TOKEN_IDS}")
+        self._checked_ids("stop_token_ids", request.stop_token_ids)
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        if request.top_logprobs and not (request.logprobs or request.prompt_logprobs):
+            raise InvalidRequest("top_logprobs", "applies to logprobs or prompt_logprobs: set one of them")
+        if request.prompt_logprobs and not self._decoder.logits_per_position:
+            raise FailedPrecondition(f"model {self.spec.name}'s graph emits only the last position's logits: "
+                                     "prompt_logprobs cannot be computed")
+        self._check_rows(request)
+
+    def _check_rows(self, request: GenerationRequest) -> None:
+        """n samples and beam search: each row is a slot, so a request may hold at most the batch."""
+        rows_cap = self.max_rows
+        beams = request.beams
+        if not 1 <= request.n <= rows_cap:
+            raise InvalidRequest("n", f"must be between 1 and the worker's batch of {rows_cap} (--max-batch), got {request.n}")
+        if not beams.on:
+            return
+        if beams.num_beams > rows_cap:
+            raise InvalidRequest("num_beams", f"must not exceed the worker's batch of {rows_cap} (--max-batch), "
+                                 f"got {beams.num_beams}")
+        if request.n > beams.num_beams:
+            raise InvalidRequest("n", f"returns the n best of num_beams hypotheses: must not exceed num_beams "
+                                 f"({beams.num_beams}), got {request.n}")
+        if not -10.0 <= beams.length_penalty <= 10.0:
+            raise InvalidRequest("length_penalty", f"must be in [-10, 10] (1 = the mean log-probability), "
+                                 f"got {beams.length_penalty}")
+        s = request.sampling
+        refused = [name for name, used in (
+            ("sampling.temperature", not s.greedy), ("sampling.top_k", s.top_k), ("sampling.top_p", s.top_p < 1.0),
+            ("sampling.min_p", s.min_p), ("stop", request.stop), ("logprobs", request.logprobs)) if used]
+        if refused:
+            raise InvalidRequest(refused[0], "beam search is deterministic and sends whole hypotheses at the end: "
+                                 "temperature must be 0, and top_k, top_p, min_p, stop strings and logprobs unset")
+
+    def _tokenize(self, request: TokenizeRequest) -> TokenizeResult:
+        if sum(map(bool, (request.text, request.token_ids, request.messages))) > 1:
+            raise InvalidRequest("text", "set one of text, token_ids and messages")
+        if request.messages:
+            text = self.render_chat(request.messages)
+            return TokenizeResult(self.tokenizer.encode(text), text)
+        if request.token_ids:
+            ids = self._checked_ids("token_ids", request.token_ids)
+            return TokenizeResult(ids, self.tokenizer.decode(ids))
+        return TokenizeResult(self.tokenizer.encode(request.text or ""), request.text or "")
+
+    def _prompt_ids(self, request: GenerationRequest) -> list[int]:
+        if sum(map(bool, (request.prompt, request.prompt_token_ids, request.messages))) > 1:
+            raise InvalidRequest("prompt", "set one of prompt, prompt_token_ids and messages")
+        # More tokens than this cannot run; they are counted, never turned into Python ints.
+        room = self.spec.context_length - request.max_new_tokens
+        try:
+            if request.messages:
+                ids = self.tokenizer.encode(self.render_chat(request.messages), room)
+            elif request.prompt_token_ids:
+                ids = self._checked_ids("prompt_token_ids", request.prompt_token_ids)
+            elif request.prompt:
+                ids = self.tokenizer.encode(request.prompt, room)
+            else:
+                raise InvalidRequest("prompt", "no prompt: set prompt (text), prompt_token_ids or messages")
+        except TooManyTokens as exc:
+            raise self._beyond_context(exc.count, request.max_new_tokens) from None
+        if not ids:
+            raise InvalidRequest("prompt", "the prompt encodes to no tokens")
+        return ids
+
+    def _checked_ids(self, field: str, ids: Iterable[int]) -> list[int]:
+        ids = list(ids)
+        for i, t in enumerate(ids):
+            if not 0 <= t < self.spec.vocab_size:
+                raise InvalidRequest(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {self.spec.vocab_size})")
+        return ids
+
+    def _beyond_context(self, prompt_tokens: int, max_new_tokens: int) -> RequestOutOfRange:
+        return RequestOutOfRange(
+            "max_new_tokens",
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"context length of {self.spec.context_length} tokens",
+        )

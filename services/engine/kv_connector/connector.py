@@ -1,0 +1,100 @@
+"""One engine's KV connector: both sides over one store, one publish queue and one waits' thread."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cachestore.cross import CrossStore
+from cachestore.keys import BlockHash, Namespace, encoder_input_hash
+from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixStore
+from cachestore.stats import CacheStats
+from cachestore.store import KVStore
+from services.engine.generation import CacheControl
+from services.engine.kv_connector.publish_queue import PublishQueue
+from services.engine.kv_connector.scheduler_side import KVConnectorScheduler
+from services.engine.kv_connector.state import SequenceKV
+from services.engine.kv_connector.worker_side import KVConnectorWorker
+from services.engine.run_waits import LeaseOptions, PrefillPace, RunWaits
+from services.runtime.model_spec import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorOptions:
+    """The store-facing settings of an engine (``EngineOptions`` holds them for the flags)."""
+
+    block_size: int
+    """Tokens per shared cache block."""
+    namespace_secret: bytes
+    """Keys every block and cross-attention key (``Namespace.secret``); the same on every worker."""
+    max_value_bytes: int
+    """Cross-attention values larger than this are not stored."""
+    store_write_threads: int
+    max_pending_publishes: int
+    max_pending_publish_bytes: int
+    leases: LeaseOptions
+    chunk_tokens: int
+    """Prompt tokens prefilled per step: one chunk, what a waiter weighs against waiting."""
+
+
+class KVConnector:
+    """Owns the store-facing state of an engine. ``scheduler_side`` and ``worker_side`` are the
+    two faces the scheduler and the runner use; the engine uses the rest."""
+
+    def __init__(self, spec: ModelSpec, model_kv_dtype: np.dtype, cross_heads: int, storage_dtype: np.dtype,
+                 store: KVStore, cache_stats: CacheStats, options: ConnectorOptions, pace: PrefillPace) -> None:
+        self.spec = spec
+        self.options = options
+        self.storage_dtype = storage_dtype
+        """The K/V element type in the store; part of every namespace."""
+        self.store = store
+        self.prefix = PrefixStore(
+            store, KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, storage_dtype), cache_stats)
+        self.cross = cross = CrossStore(store, cache_stats, options.max_value_bytes, storage_dtype)
+        self.writes = PublishQueue(options.store_write_threads, options.max_pending_publishes,
+                                   options.max_pending_publish_bytes, cache_stats)
+        leases = options.leases
+        self.waits = RunWaits(leases.poll_ms, store.notices if leases.enabled else None)
+        self.scheduler_side = KVConnectorScheduler(
+            self.prefix, cross, (spec.num_layers, cross_heads, spec.head_size), store, cache_stats, leases,
+            options.chunk_tokens, pace, self.waits, self.writes)
+        self.worker_side = KVConnectorWorker(
+            self.prefix, cross, store, cache_stats, storage_dtype, spec.kv_bytes_per_token(model_kv_dtype.itemsize),
+            self.writes)
+
+    def namespace(self, salt: str, encoder_input: BlockHash | None = None, tenant: str = "") -> Namespace:
+        """Everything this worker's prefix K/V depends on besides the tokens (docs/design.md, invariant 2):
+        for an encoder-decoder model also the encoder input, whose cross-attention feeds every
+        decoder layer, so the same decoder prompt under another encoder input never hits. Keyed by
+        the fleet's namespace secret when one is configured."""
+        return Namespace(
+            model_fingerprint=self.spec.fingerprint,
+            block_size=self.options.block_size,
+            dtype=self.storage_dtype.name,
+            layout=CANONICAL_LAYOUT,
+            salt=salt,
+            tenant=tenant,
+            extra=encoder_input.hex() if encoder_input else "",
+            secret=self.options.namespace_secret,
+        )
+
+    def encoder_input_hash(self, salt: str, array: np.ndarray, tenant: str = "") -> BlockHash:
+        """Names an encoder input (and so its cross K/V) under the model, dtype, layout, tenant and salt."""
+        return encoder_input_hash(replace(self.namespace(salt, tenant=tenant), block_size=0), array)
+
+    def states(self, cache: CacheControl, tenant: str, encoder_input: np.ndarray | None, rows: int) -> list[SequenceKV]:
+        """The connector's state of each of a request's ``rows`` (its samples or beams): one
+        namespace, each row its own lookup, leases and publishes."""
+        input_hash = None if encoder_input is None else self.encoder_input_hash(cache.salt, encoder_input, tenant)
+        namespace = self.namespace(cache.salt, input_hash, tenant)
+        return [SequenceKV(namespace, cache, input_hash) for _ in range(rows)]
+
+    async def drained(self) -> None:
+        """Returns once every publish scheduled so far has reached the store (or failed)."""
+        await self.writes.drained()
+
+    def close(self) -> None:
+        """Finishes the writes, then closes the store (after the waits and the scheduler have stopped)."""
+        self.writes.close()
+        self.store.close()

@@ -1,0 +1,102 @@
+"""What the KV connector keeps about one sequence: where its prompt's K/V comes from and goes to.
+
+The scheduler, the runner and the output side never read these fields; they belong to the
+connector (``services.engine.kv_connector``), which creates one ``SequenceKV`` per row. The read
+threads write ``lookup``, ``cross_kv`` and ``lease`` during the fetch, before the row's first step;
+from then on the scheduler thread owns them (the waits' thread fills a ``Trail``'s look into a
+future of its own).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import numpy as np
+
+from cachestore.keys import BlockHash, Namespace
+from cachestore.prefix import PrefixLookup
+from services.engine.generation import CacheControl
+from services.engine.leases import HeldLeases
+
+
+def cached_tokens(hit_blocks: int, block_size: int, prompt_tokens: int) -> int:
+    """Prompt tokens served from cached blocks. At least the last prompt token always runs,
+    since its logits start generation: when every block of the prompt is cached, the past holds
+    all but the last token (docs/design.md, invariant 3)."""
+    return min(hit_blocks * block_size, prompt_tokens - 1)
+
+
+@dataclass(slots=True, eq=False)
+class Trail:
+    """A row whose wait for another worker's blocks ended before they all came (the holder looked
+    stalled or slower than computing) computes them itself, one chunk at a time; before each
+    further chunk it waits for the holder's blocks again, but only as long as computing that chunk
+    takes it now (the cost of the chunk it just computed, under the load it shares). What comes
+    it takes; when the whole chunk came in time it waits again, else it computes the next chunk.
+    A holder that only looked slow, because the machine was busy, is followed again; one that is
+    really behind costs a short wait per chunk and never sets the row's pace. Two waits in a row
+    that bring less than a chunk end the trail."""
+
+    key: str
+    """The lease the row stopped waiting on, and its holder's token."""
+    holder: bytes
+    look: Future | None = None
+    """The wait in flight: an ``Ahead``, or None when nothing came."""
+    give_up_at: float = 0.0
+    """time.monotonic() past which the row stops waiting for that wait (a store that hangs
+    holds its polls up): twice its bound."""
+    looked: bool = True
+    """Whether a wait since the row's last chunk brought less than a chunk (it computes the next
+    one). True at the start: the wait that just ended did, so the first chunk comes first."""
+    misses: int = 0
+    """Waits in a row that brought less than a chunk."""
+    ms_per_token: float = 0.0
+    """What the row's latest chunk of at least ``MIN_PACE_TOKENS`` cost (ms per prompt token):
+    the next wait's bound. Not the worker's smoothed pace, which lags a machine that has just
+    become busy."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ahead:
+    """What a ``Trail``'s wait brought: canonical blocks from prompt token ``start`` on (where the
+    row stood when the wait began), the prompt tokens the row holds with them (capped as cached
+    tokens are: the last prompt token always runs), and whether they came at least as fast as the
+    row would have computed them, wait factor included."""
+
+    start: int
+    blocks: list[np.ndarray]
+    tokens: int
+    kept_up: bool
+
+
+@dataclass(slots=True, eq=False)
+class SequenceKV:
+    """The connector's state of one row: its keys, what the store gave it, what it publishes."""
+
+    namespace: Namespace
+    cache: CacheControl
+    """The request's store controls (skip reading, skip writing, salt)."""
+    encoder_hash: BlockHash | None = None
+    """Encoder-decoder models: the name of the encoder input, and so of its cross K/V."""
+    lookup: PrefixLookup | None = None
+    """The prompt's block hashes and the cached run found (set by the fetch)."""
+    cross_kv: np.ndarray | None = None
+    """Encoder-decoder models: cross K/V found in the store, until copied into the slot."""
+    published_blocks: int = 0
+    """Prompt blocks in the store or on their way there (found, published, or held by the row
+    they were copied from): each chunk publishes the full blocks past these."""
+    awaiting: bool = False
+    """Its fetch waits in the store for blocks another worker computes (``run_waits``); the
+    worker's other rows that lack the same blocks wait for this row instead of the store."""
+    publishing: Future | None = None
+    """The sequence's latest publish of prompt blocks: the next one starts after it."""
+    lease: HeldLeases | None = None
+    """The leases this row holds on computing the prompt's uncached blocks, until its prompt is
+    done (or it ends)."""
+    trail: Trail | None = None
+    """Set when its wait for another worker's blocks ended early (see ``Trail``)."""
+
+    @property
+    def block_size(self) -> int:
+        return self.namespace.block_size
