@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from services.api.client import add_connection_flags
-from services.api.config import add_settings_flags, settings_from
+from services.api.config import Settings
+from services.serving.flags import add_settings_flags, settings_from
 from services.modelbuild.presets import DECODER_PRESETS
 from services.runtime.kv_layout import KVLayout
 
@@ -20,7 +21,7 @@ def _serve(args: argparse.Namespace) -> int:
     from services.api.server import serve
     from services.errors import ModelLoadError, StartupError
 
-    settings = settings_from(args)
+    settings = settings_from(args, Settings)
     configure_logging(settings.log_level, settings.log_format)
     if args.cache_url and url_holds_password(args.cache_url):
         print("kvshare serve: the --cache URL holds a password, which every user of this machine can read in the "
@@ -50,7 +51,7 @@ def _route(args: argparse.Namespace) -> int:
     from services.route.config import RouteSettings
     from services.route.server import serve
 
-    settings = settings_from(args, kind=RouteSettings)
+    settings = settings_from(args, RouteSettings)
     problems = settings.problems()
     for problem in problems:
         print(f"kvshare route: {problem}", file=sys.stderr)
@@ -155,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model folder over gRPC")
-    add_settings_flags(serve)
+    add_settings_flags(serve, Settings)
     serve.set_defaults(func=_serve)
 
     from services.route.config import RouteSettings
