@@ -24,7 +24,7 @@ import redis
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.local.model_cache import STAMP, cache_dir, ensure_model
 from services.local.redis_process import RedisServer, stored_values
 from services.local.worker_process import WorkerProcess

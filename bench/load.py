@@ -35,7 +35,7 @@ from bench.fleet import (
     wait_for_keys,
 )
 from bench.traffic import Periodic, Summary, Traffic, Workload, burst
-from services.api.client import complete
+from services.client import complete
 
 BURST_DEADLINE_S = 30.0
 BLOCK_SIZE = 16

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from bench.stalls import raw_call
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from bench.stalls import never_matching_stops
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.engine.request_limits import derived_prompt_bytes, utf8_length
 from services.local.worker_process import WorkerProcess
 from services.runtime.tokenizer import TextTokenizer, TokenBytes, _shrinker

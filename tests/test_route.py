@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.local.redis_process import free_port
 from services.local.worker_process import RouterProcess, WorkerProcess
 from services.route.rendezvous import RoundRobin, choose, score

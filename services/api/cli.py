@@ -7,7 +7,7 @@ import asyncio
 import sys
 from pathlib import Path
 
-from services.api.client import add_connection_flags
+from services.client import add_connection_flags
 from services.api.config import Settings
 from services.serving.flags import add_settings_flags, settings_from
 from services.modelbuild.presets import DECODER_PRESETS
@@ -67,7 +67,7 @@ def _route(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.api.client import generate_main, generate_request
+    from services.client import generate_main, generate_request
 
     connection = _connection(args, "generate")
     return 2 if connection is None else generate_main(connection, generate_request(args), args.timeout_s)
@@ -75,7 +75,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _connection(args: argparse.Namespace, command: str):
     """The client's Connection from its flags, or None after one line on stderr saying what is wrong."""
-    from services.api.client import Connection, ConnectionSettingsError
+    from services.client import Connection, ConnectionSettingsError
 
     try:
         return Connection.from_args(args)
@@ -112,7 +112,7 @@ def _build_model(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from kvshare.v1 import generator_pb2 as pb
-    from services.api.client import chat_main
+    from services.client import chat_main
 
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
     if args.top_p is not None:
