@@ -153,7 +153,7 @@ def test_decoder_prompt_is_optional(replicas):
 
 
 def test_build_model_encoder_decoder_is_deterministic(tmp_path, encdec_model):
-    subprocess.run([sys.executable, "-m", "services.api.cli", "build-model", "--arch", "encoder-decoder", "--preset", "tiny",
+    subprocess.run([sys.executable, "-m", "services.cli", "build-model", "--arch", "encoder-decoder", "--preset", "tiny",
                     str(tmp_path / "again")], check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent)
     digest = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}  # noqa: E731
     assert digest(tmp_path / "again") == digest(encdec_model)

@@ -1,4 +1,10 @@
-"""The `kvshare` command: serve, route, generate, chat, build-model, fetch-model, demo."""
+"""The `kvshare` command: serve, route, generate, chat, build-model, fetch-model, demo.
+
+It sits above every face it starts (the worker in services/api/, the router in services/route/,
+the client, the demo in services/local/, the model builder) and nothing imports it, so that those
+packages never import one another through it. Each command imports its own modules when it runs,
+so that `kvshare generate` does not load ONNX Runtime.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +13,11 @@ import asyncio
 import sys
 from pathlib import Path
 
-from services.client import add_connection_flags
 from services.api.config import Settings
-from services.serving.flags import add_settings_flags, settings_from
+from services.client import add_connection_flags
 from services.modelbuild.presets import DECODER_PRESETS
 from services.runtime.kv_layout import KVLayout
+from services.serving.flags import add_settings_flags, settings_from
 
 
 def _serve(args: argparse.Namespace) -> int:
