@@ -37,9 +37,9 @@ from bench.fleet import (
     parse_args,
     print_table,
 )
-from bench.traffic import StreamResult, stream
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.local.traffic import StreamResult, stream
 from services.local.worker_process import WorkerProcess
 
 DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "batch.png"

@@ -52,7 +52,7 @@ from bench.fleet import (
 from bench.process_cpu import ProcessCpu, cores
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 
 NEW_TOKENS = 4
 

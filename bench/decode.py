@@ -35,7 +35,7 @@ from bench.fleet import (
     print_table,
 )
 from kvshare.v1 import generator_pb2 as pb
-from services.api.client import complete
+from services.client import complete
 from services.runtime.model_spec import load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.slots import SlotBank, open_slots

@@ -24,14 +24,14 @@ import redis
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.local.model_cache import STAMP, cache_dir, ensure_model
 from services.local.redis_process import RedisServer, stored_values
+from services.local.traffic import FIRST_TOKEN_ID
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.presets import DECODER_PRESETS
 from services.runtime.model_spec import load_model_spec
 
-FIRST_TOKEN_ID = 3  # ids below are the tokenizer's special tokens
 INTRA_OP_THREADS = 2
 QUESTION_TOKENS = 32  # the part of a prompt that differs between requests sharing a prefix
 CALL_TIMEOUT_S = 300.0

@@ -25,7 +25,6 @@ import grpc
 import numpy as np
 
 from bench.fleet import (
-    FIRST_TOKEN_ID,
     BenchModel,
     bench_model,
     fleet,
@@ -34,8 +33,8 @@ from bench.fleet import (
     verdict,
     wait_for_keys,
 )
-from bench.traffic import Periodic, Summary, Traffic, Workload, burst
-from services.api.client import complete
+from services.client import complete
+from services.local.traffic import FIRST_TOKEN_ID, Periodic, Summary, Traffic, Workload, burst
 
 BURST_DEADLINE_S = 30.0
 BLOCK_SIZE = 16

@@ -1,4 +1,4 @@
-"""One table of every fault case (bench/faults.py) and load case (bench/load.py) from one run, as
+"""One table of every fault case (services/local/store_faults.py) and load case (bench/load.py) from one run, as
 docs/reliability.md shows it: requests sent, not OK by status, wrong answers, and what was seen.
 
     .venv/bin/python -m bench.reliability [--smoke]
@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import sys
 
-from bench import faults, load
-from bench.fleet import bench_model, parse_args, print_table, verdict
+from bench import load
+from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args, print_table, verdict
+from services.local import store_faults
 
 
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0])
     model = bench_model(args)
-    with faults.lab(model, faults.workload_for(model, args.smoke)) as lab:
-        fault_results = [lab.run(name, faults.settle_for(args.smoke)) for name in faults.CASES]
+    workload = store_faults.workload_for(model.vocab_size, args.smoke)
+    with store_faults.lab(model.folder, workload, INTRA_OP_THREADS) as lab:
+        fault_results = [lab.run(name, store_faults.settle_for(args.smoke)) for name in store_faults.CASES]
     load_results = load.run_load(model, args.smoke, *load.default_sizes(args.smoke))
     rows = [(r.name, r.injected, r.summary.sent, r.summary.failed_text, r.summary.wrong, f"the workers saw {r.seen_text}")
             for r in fault_results]

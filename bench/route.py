@@ -45,7 +45,7 @@ from bench.fleet import (
 )
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.local.redis_process import RedisServer
 from services.local.worker_process import RouterProcess, WorkerProcess
 

@@ -37,6 +37,7 @@ from bench.fleet import (
 from bench.load import rss_mib
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.client import raw_call
 from services.local.worker_process import WorkerProcess
 
 CORPUS = Path(__file__).resolve().parent.parent / "services" / "modelbuild" / "corpus.txt"
@@ -70,18 +71,6 @@ def never_matching_stops(count: int, seed: int = 9) -> list[str]:
     """``count`` distinct stop strings of 12 characters that generated text will not contain."""
     rng = np.random.default_rng(seed)
     return [f"\u2603{i:07d}{s}" for i, s in enumerate(rng.integers(1000, 9999, size=count))]
-
-
-def raw_call(channel: grpc.Channel, method: str, request: bytes, timeout_s: float) -> tuple[grpc.StatusCode, bytes]:
-    """Sends ``request`` bytes to /kvshare.v1.Generator/``method`` and returns the status and the
-    response bytes unparsed (all messages of a stream, joined)."""
-    path = f"/kvshare.v1.Generator/{method}"
-    try:
-        if method == "Generate":
-            return grpc.StatusCode.OK, b"".join(channel.unary_stream(path)(request, timeout=timeout_s))
-        return grpc.StatusCode.OK, channel.unary_unary(path)(request, timeout=timeout_s)
-    except grpc.RpcError as exc:
-        return exc.code(), exc.details().encode()
 
 
 class RunningStream:

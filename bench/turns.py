@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 from bench.fleet import BenchModel, fleet, parse_args, print_table, wait_for_keys
 from kvshare.v1 import generator_pb2 as pb
-from services.api.client import complete
+from services.client import complete
 from services.local.demo import QUESTIONS as DEMO_QUESTIONS
 from services.local.demo import system_prompt
 from services.local.model_catalogue import fetch_model

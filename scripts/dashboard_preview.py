@@ -25,10 +25,10 @@ from urllib.request import urlopen
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.faults import CASES, CLIENTS, lab, settle_for, workload_for  # noqa: E402
-from bench.fleet import bench_model, parse_args  # noqa: E402
-from bench.traffic import Traffic  # noqa: E402
+from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args  # noqa: E402
 from services.local.redis_process import free_port  # noqa: E402
+from services.local.store_faults import CASES, CLIENTS, lab, settle_for, workload_for  # noqa: E402
+from services.local.traffic import Traffic  # noqa: E402
 
 DASHBOARD = ROOT / "helm" / "kvshare" / "dashboards" / "kvshare.json"
 SCRAPE_S = 1
@@ -126,7 +126,7 @@ def main() -> int:
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     model = bench_model(args)
     marks: list[tuple[float, str]] = []
-    with lab(model, workload_for(model, args.smoke)) as the_lab:
+    with lab(model.folder, workload_for(model.vocab_size, args.smoke), INTRA_OP_THREADS) as the_lab:
         prometheus = Prometheus([f"127.0.0.1:{p}" for p in the_lab.metrics_ports])
         try:
             start = time.time()

@@ -4,4 +4,4 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/venv.sh")"
 cd "$root"
-exec "$py" -m services.api.cli demo "$@"
+exec "$py" -m services.cli demo "$@"

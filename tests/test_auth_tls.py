@@ -123,7 +123,7 @@ def test_grpc_over_tls_with_api_keys_and_the_cli_and_plaintext_is_refused(tiny_m
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         key_file = tmp_path / "key"
         key_file.write_text(KEYS["globex"] + "\n")
-        cli = [sys.executable, "-m", "services.api.cli", "generate", "hello", "--max-new-tokens", "3",
+        cli = [sys.executable, "-m", "services.cli", "generate", "hello", "--max-new-tokens", "3",
                "--target", worker.target, "--tls-ca-file", str(ca.cert)]
         by_env = subprocess.run(cli, capture_output=True, text=True, timeout=60,
                                 env={**os.environ, "KVSHARE_API_KEY": KEYS["acme"]})
@@ -261,7 +261,7 @@ def test_workers_share_blocks_through_rediss_with_an_acl_user_and_client_certifi
 
 
 def serve_fails(tiny_model, *args, env=None) -> str:
-    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tiny_model), "--port", "0",
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tiny_model), "--port", "0",
                            *args], capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     return proc.stderr.strip().splitlines()[-1]
@@ -315,7 +315,7 @@ def test_client_flags_naming_unusable_files_get_one_line(tmp_path):
     for args, expected in ((["--api-key-file", str(tmp_path / "missing")], "cannot read --api-key-file"),
                            (["--tls-ca-file", str(tmp_path / "missing")], "--tls-ca-file"),
                            (["--tls-cert-file", __file__], "needs both --tls-cert-file and --tls-key-file")):
-        proc = subprocess.run([sys.executable, "-m", "services.api.cli", "generate", "hi", "--target", "127.0.0.1:1", *args],
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hi", "--target", "127.0.0.1:1", *args],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and expected in proc.stderr, proc.stderr
 

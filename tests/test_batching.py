@@ -417,7 +417,7 @@ def test_settings_out_of_range_refuse_to_start(tiny_model):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tiny_model),
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tiny_model),
                            "--max-prefill-tokens-per-step", "0", "--max-unread-tokens", "0", "--max-paused-s", "inf"],
                           capture_output=True, text=True, timeout=60, env={**os.environ, "KVSHARE_BLOCK_SIZE": "0"})
     assert proc.returncode == 2

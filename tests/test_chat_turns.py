@@ -23,7 +23,7 @@ from conftest import record_margin, wait_until
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.local.redis_process import stored_values
 from services.local.worker_process import WorkerProcess
 

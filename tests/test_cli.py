@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from services.api.cli import build_parser
+from services.cli import build_parser
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:

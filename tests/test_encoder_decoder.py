@@ -16,7 +16,7 @@ from cachestore.keys import cross_key
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.engine.encoder_input import EncoderFeatures, EncoderRequest
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import CacheControl, GenerationRequest
@@ -153,7 +153,7 @@ def test_decoder_prompt_is_optional(replicas):
 
 
 def test_build_model_encoder_decoder_is_deterministic(tmp_path, encdec_model):
-    subprocess.run([sys.executable, "-m", "services.api.cli", "build-model", "--arch", "encoder-decoder", "--preset", "tiny",
+    subprocess.run([sys.executable, "-m", "services.cli", "build-model", "--arch", "encoder-decoder", "--preset", "tiny",
                     str(tmp_path / "again")], check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent)
     digest = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}  # noqa: E731
     assert digest(tmp_path / "again") == digest(encdec_model)

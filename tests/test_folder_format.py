@@ -80,7 +80,7 @@ def _tree_digest(folder: Path) -> dict[str, str]:
 def test_build_model_is_deterministic_across_processes(tmp_path, model_dirs):
     out = tmp_path / "again"
     subprocess.run(
-        [sys.executable, "-m", "services.api.cli", "build-model", "--arch", "decoder", "--preset", "small",
+        [sys.executable, "-m", "services.cli", "build-model", "--arch", "decoder", "--preset", "small",
          "--kv-layout", "combined", str(out)],
         check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent,
     )

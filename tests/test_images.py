@@ -274,7 +274,7 @@ def test_image_environment_has_one_onnx_runtime(image, kvshare_wheel, tmp_path):
 def test_missing_onnx_runtime_is_one_clear_error(tmp_path):
     """Installed with neither extra, `kvshare` says which extra to install, without a traceback."""
     script = ("import sys; sys.modules['onnxruntime'] = None\n"
-              "from services.api.cli import main\n"
+              "from services.cli import main\n"
               f"sys.exit(main(['serve', '--model', {str(tmp_path)!r}]))")
     result = subprocess.run([sys.executable, "-c", script], check=False, cwd=ROOT, capture_output=True, text=True,
                             timeout=120)

@@ -19,7 +19,7 @@ from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import CacheControl, GenerationRequest
 from services.errors import InvalidRequest
@@ -142,7 +142,7 @@ def test_unreadable_files_are_one_clear_error(tmp_path, content):
 
     path = tmp_path / "bad.gguf"
     path.write_bytes(content)
-    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "build-model", "--from-gguf", str(path),
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "build-model", "--from-gguf", str(path),
                            str(tmp_path / "out")], capture_output=True, text=True, timeout=120,
                           cwd=Path(__file__).resolve().parent.parent)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
@@ -224,7 +224,7 @@ def test_kvshare_chat_keeps_the_conversation(smollm2):
 
     with WorkerProcess(smollm2) as worker:
         proc = subprocess.run(
-            [sys.executable, "-m", "services.api.cli", "chat", "--target", worker.target, "--max-new-tokens", "16"],
+            [sys.executable, "-m", "services.cli", "chat", "--target", worker.target, "--max-new-tokens", "16"],
             input="What is the capital of France?\nAnd what is its most famous tower?\n/reset\nHi\n", capture_output=True,
             text=True, timeout=300, cwd=Path(__file__).resolve().parent.parent,
         )

@@ -8,10 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bench.stalls import never_matching_stops
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.engine.request_limits import derived_prompt_bytes, utf8_length
 from services.local.worker_process import WorkerProcess
 from services.runtime.tokenizer import TextTokenizer, TokenBytes, _shrinker
@@ -69,8 +68,10 @@ def test_a_raised_prompt_limit_is_used_and_said(tiny_model):
 
 @pytest.mark.subprocess
 def test_stop_strings_over_the_limits_are_refused(stub):
-    # 20,000 one-character stops (the fixture's messages are at most 64 KiB) are refused as 65 are.
-    cases = [("stop", never_matching_stops(65)), ("stop", ["x"] * 20_000), ("stop[3]", ["a", "b", "c", "é" * 129])]
+    # 65 distinct stops (one over the default --max-stop-strings), and 20,000 one-character stops
+    # (the fixture's messages are at most 64 KiB), are refused alike.
+    cases = [("stop", [f"\u2603{i:07d}" for i in range(65)]), ("stop", ["x"] * 20_000),
+             ("stop[3]", ["a", "b", "c", "é" * 129])]
     for field, stop in cases:
         error = refusal(lambda: list(stub.Generate(pb.GenerateRequest(prompt=PROMPT, max_new_tokens=4, stop=stop),
                                                    timeout=30)))

@@ -30,7 +30,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.local.redis_process import free_port
 from services.local.worker_process import RouterProcess, WorkerProcess
 from services.route.rendezvous import RoundRobin, choose, score
@@ -490,6 +490,6 @@ def test_api_keys_pass_through_and_dns_discovery(tiny_model, tmp_path):
      "--health-interval-s (env KVSHARE_ROUTE_HEALTH_INTERVAL_S) must be"),
 ])
 def test_route_settings_are_checked_at_start(args, env, says):
-    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "route", *args], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "route", *args], capture_output=True, text=True,
                           timeout=60, cwd=ROOT, env={**os.environ, **env})
     assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.local.redis_process import stored_values
 from services.local.worker_process import WorkerProcess
 from services.runtime.kv_layout import KVLayout
@@ -204,7 +204,7 @@ def test_expired_deadline_stops_the_request_and_frees_its_slot(tiny_model):
 
 def test_second_worker_on_a_taken_port_refuses_to_start(worker, tiny_model):
     port = worker.target.rsplit(":", 1)[1]
-    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tiny_model), "--port", port],
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tiny_model), "--port", port],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert "kvshare listening" not in proc.stdout
@@ -216,7 +216,7 @@ def test_second_worker_on_a_taken_port_refuses_to_start(worker, tiny_model):
 @pytest.mark.parametrize(("url", "says"), [("memcached://cache:11211", "is not one of memory://, redis"),
                                            ("memory", "has no scheme: use memory://, redis")])
 def test_bad_cache_url_is_one_line(tiny_model, url, says):
-    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tiny_model), "--port", "0",
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tiny_model), "--port", "0",
                            "--cache", url], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -263,7 +263,7 @@ def test_sigterm_reports_not_serving_then_drains(model_dirs):
 
 def test_generate_cli_streams_text_and_reports_usage(worker):
     proc = subprocess.run(
-        [sys.executable, "-m", "services.api.cli", "generate", "--target", worker.target, "--max-new-tokens", "8", PROMPT],
+        [sys.executable, "-m", "services.cli", "generate", "--target", worker.target, "--max-new-tokens", "8", PROMPT],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
@@ -271,17 +271,17 @@ def test_generate_cli_streams_text_and_reports_usage(worker):
 
 
 def test_serve_refuses_a_folder_without_a_model(tmp_path, tiny_model):
-    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tmp_path), "--port", "0"],
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path), "--port", "0"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "genai_config.json" in proc.stderr
     (tmp_path / "genai_config.json").write_bytes((tiny_model / "genai_config.json").read_bytes())
-    proc = subprocess.run([sys.executable, "-m", "services.api.cli", "serve", "--model", str(tmp_path), "--port", "0"],
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tmp_path), "--port", "0"],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 2 and "model.onnx: not found" in proc.stderr
 
 
 def kvshare_generate(target: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.api.cli", "generate", "--target", target, *args],
+    return subprocess.run([sys.executable, "-m", "services.cli", "generate", "--target", target, *args],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
 
 

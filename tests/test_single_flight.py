@@ -25,7 +25,7 @@ from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.engine.leases import Claim, HeldLeases, Tokens
 from services.engine.run_waits import LeaseOptions, RunWait, RunWaits, WaitEnd
 from services.local.worker_process import WorkerProcess

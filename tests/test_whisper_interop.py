@@ -13,7 +13,7 @@ from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
 from services.engine.encoder_input import EncoderFeatures, EncoderRequest
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import CacheControl, GenerationRequest

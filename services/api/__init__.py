@@ -1,1 +1,1 @@
-"""The gRPC face: servicer, server, client, configuration and the `kvshare` command."""
+"""The worker's gRPC face: servicer, server, configuration, API keys, logs and metrics."""

@@ -1,67 +1,28 @@
 """Worker configuration: one typed object, from command-line flags over ``KVSHARE_*`` variables.
 
 Precedence: a flag given on the command line, else the environment variable ``KVSHARE_<FIELD>``
-(upper-case field name), else the default below. ``FlagSettings`` holds that machinery, so that
-another command's settings (``kvshare route``: ``services/route/config.py``) follow the same rules
-under their own prefix.
+(upper-case field name), else the default below; ``services/serving/flags.py`` holds those rules,
+which the router's settings (``services/route/config.py``) follow under a prefix of their own.
 """
 
 from __future__ import annotations
 
-import argparse
-import math
-import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Self, TypeVar, get_type_hints
+from typing import ClassVar
 
 from cachestore.storage_dtype import DEFAULT as DEFAULT_CACHE_DTYPE
 from cachestore.storage_dtype import STORAGE_DTYPES
+from services.serving.flags import FlagSettings
 
 ENV_PREFIX = "KVSHARE_"
-
-
-class FlagSettings:
-    """Base of a settings dataclass whose fields are flags and ``env_prefix`` variables.
-
-    A field's metadata holds its ``help``, and optionally ``min`` / ``max`` (checked by
-    ``problems``), ``choices`` and flag ``aliases``."""
-
-    __slots__ = ()
-    env_prefix: ClassVar[str] = ENV_PREFIX
-
-    def problems(self) -> list[str]:
-        """Settings outside their allowed range, each as a message naming the flag and variable
-        (empty: all fine). NaN and infinities are out of every range."""
-        found = []
-        for f in fields(self):
-            low, high = f.metadata.get("min"), f.metadata.get("max", math.inf)
-            value = getattr(self, f.name)
-            if low is not None and not (math.isfinite(value) and low <= value <= high):
-                bound = f"at least {low}" if high == math.inf else f"between {low} and {high}"
-                found.append(f"--{f.name.replace('_', '-')} (env {self.env_prefix}{f.name.upper()}) must be a finite "
-                             f"number {bound}, got {value}")
-        return found
-
-    def apply_env(self, environ: dict[str, str] | None = None) -> Self:
-        """Overrides fields from ``env_prefix`` variables; returns self."""
-        environ = os.environ if environ is None else environ
-        hints = get_type_hints(type(self))
-        for f in fields(self):
-            name = self.env_prefix + f.name.upper()
-            raw = environ.get(name)
-            if raw is None:
-                continue
-            value = _parse(hints[f.name], raw, name)
-            if "choices" in f.metadata and value not in f.metadata["choices"]:
-                raise SystemExit(f"{name}: {raw!r} is not one of {f.metadata['choices']}")
-            setattr(self, f.name, value)
-        return self
 
 
 @dataclass(slots=True)
 class Settings(FlagSettings):
     """Everything ``kvshare serve`` can be told. Units are in the names (ms, bytes, s)."""
+
+    env_prefix: ClassVar[str] = ENV_PREFIX
 
     model: Path | None = field(default=None, metadata={"help": "Model folder in ONNX Runtime GenAI's layout (genai_config.json, *.onnx, tokenizer.json)."})
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on; 0.0.0.0 inside a container."})
@@ -117,56 +78,3 @@ class Settings(FlagSettings):
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
     log_format: str = field(default="text", metadata={"help": "Log lines as text, or json (one object per line, for log shippers); one line per finished request either way.", "choices": ["text", "json"]})
 
-
-_TRUE, _FALSE = frozenset({"1", "true", "yes", "on"}), frozenset({"0", "false", "no", "off"})
-
-
-def _bool(raw: str) -> bool:
-    """A yes/no setting as written in an environment variable or a flag (true/false, 1/0, yes/no, on/off)."""
-    word = raw.strip().lower()
-    if word not in _TRUE | _FALSE:
-        # argparse prints an ArgumentTypeError's own words ("--reflection: 'maybe' is not ...").
-        raise argparse.ArgumentTypeError(f"{raw!r} is not true or false")
-    return word in _TRUE
-
-
-def _converter(kind: type):
-    return Path if kind == (Path | None) else _bool if kind is bool else kind
-
-
-def _parse(kind: type, raw: str, origin: str):
-    target = _converter(kind)
-    try:
-        return target(raw)
-    except (ValueError, argparse.ArgumentTypeError) as exc:
-        what = "true or false" if target is _bool else target.__name__
-        raise SystemExit(f"{origin}: cannot read {raw!r} as {what}") from exc
-
-
-def add_settings_flags(parser: argparse.ArgumentParser, kind: type[FlagSettings] = Settings) -> None:
-    """Adds one ``--field-name`` flag per field of ``kind`` (default None: fall through to env)."""
-    hints = get_type_hints(kind)
-    for f in fields(kind):
-        flag_type = hints[f.name]
-        parser.add_argument(
-            "--" + f.name.replace("_", "-"),
-            *f.metadata.get("aliases", ()),
-            dest=f.name,
-            type=_converter(flag_type),
-            choices=f.metadata.get("choices"),
-            default=None,
-            help=f"{f.metadata['help']} (env {kind.env_prefix}{f.name.upper()}, default {f.default})",
-        )
-
-
-S = TypeVar("S", bound=FlagSettings)
-
-
-def settings_from(args: argparse.Namespace, environ: dict[str, str] | None = None, kind: type[S] = Settings) -> S:
-    """A ``kind`` from its defaults, overridden by the environment, overridden by the flags given."""
-    settings = kind().apply_env(environ)
-    for f in fields(kind):
-        value = getattr(args, f.name, None)
-        if value is not None:
-            setattr(settings, f.name, value)
-    return settings

@@ -18,7 +18,6 @@ from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
 from services.api.api_keys import ApiKeys
 from services.api.config import Settings
-from services.api.graceful import serve_until_signalled
 from services.api.method_handlers import add_generator_to_server
 from services.api.metrics import WorkerMetrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
@@ -26,6 +25,7 @@ from services.engine.engine import Engine, EngineOptions
 from services.engine.run_waits import LeaseOptions
 from services.engine.scheduler import SchedulerOptions
 from services.errors import StartupError
+from services.serving.graceful import serve_until_signalled
 
 log = logging.getLogger(__name__)
 

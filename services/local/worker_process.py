@@ -36,7 +36,7 @@ class ServerProcess:
         self.log_lines: list[str] = []
         self._log_file = log_path.open("w") if log_path else None
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "services.api.cli", *arguments], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "services.cli", *arguments], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             text=True, env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[2],
         )
         self._port_ready = threading.Event()

@@ -1,12 +1,13 @@
 """Router configuration: flags over ``KVSHARE_ROUTE_*`` variables over defaults, the same rules as
-the worker's settings (``services/api/config.py``) under a prefix of its own."""
+the worker's settings (``services/api/config.py``; both in ``services/serving/flags.py``) under a
+prefix of its own."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from services.api.config import FlagSettings
+from services.serving.flags import FlagSettings
 
 ROUTE_ENV_PREFIX = "KVSHARE_ROUTE_"
 

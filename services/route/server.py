@@ -12,7 +12,6 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.api.graceful import serve_until_signalled
 from services.errors import StartupError
 from services.route.config import RouteSettings, split_host_port
 from services.route.proxy import Proxy
@@ -23,6 +22,7 @@ from services.route.upstreams import (
     StaticWorkers,
     UpstreamSet,
 )
+from services.serving.graceful import serve_until_signalled
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 kvshare's base dependencies leave ONNX Runtime out: the ``cpu`` extra installs onnxruntime and the
 ``gpu`` extra onnxruntime-gpu, two distributions of the same ``onnxruntime`` module that must not
 be installed together. An install with neither extra gets this message instead of a bare
-"No module named 'onnxruntime'"; ``kvshare`` prints it without a traceback (services/api/cli.py).
+"No module named 'onnxruntime'"; ``kvshare`` prints it without a traceback (services/cli.py).
 """
 
 from __future__ import annotations

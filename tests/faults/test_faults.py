@@ -1,22 +1,22 @@
-"""Faults in the shared store under live traffic (the cases of ``bench/faults.py``, on the tiny
-model): a killed, paused or full Redis, damaged or swapped values, connections cut inside a fetch.
-Every request must succeed with the tokens of the same prompt computed cold, and the workers'
-metrics must show that the fault reached them. Steps wait on finished requests, not on time."""
+"""Faults in the shared store under live traffic (the cases of ``services/local/store_faults.py``,
+which ``bench/faults.py`` measures, on the tiny model): a killed, paused or full Redis, damaged or
+swapped values, connections cut inside a fetch. Every request must succeed with the tokens of the
+same prompt computed cold, and the workers' metrics must show that the fault reached them. Steps
+wait on finished requests, not on time."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.faults import CASES, lab, settle_for, workload_for
-from bench.fleet import BenchModel
+from services.local.store_faults import CASES, lab, settle_for, workload_for
+from services.runtime.model_spec import load_model_spec
 
 pytestmark = pytest.mark.subprocess
 
 
 @pytest.fixture(scope="module")
 def fault_lab(tiny_model):
-    model = BenchModel.of(tiny_model, "tiny")
-    with lab(model, workload_for(model, smoke=True)) as the_lab:
+    with lab(tiny_model, workload_for(load_model_spec(tiny_model).vocab_size, smoke=True)) as the_lab:
         yield the_lab
 
 

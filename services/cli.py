@@ -1,4 +1,10 @@
-"""The `kvshare` command: serve, route, generate, chat, build-model, fetch-model, demo."""
+"""The `kvshare` command: serve, route, generate, chat, build-model, fetch-model, demo.
+
+It sits above every face it starts (the worker in services/api/, the router in services/route/,
+the client, the demo in services/local/, the model builder) and nothing imports it, so that those
+packages never import one another through it. Each command imports its own modules when it runs,
+so that `kvshare generate` does not load ONNX Runtime.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,11 @@ import asyncio
 import sys
 from pathlib import Path
 
-from services.api.client import add_connection_flags
-from services.api.config import add_settings_flags, settings_from
+from services.api.config import Settings
+from services.client import add_connection_flags
 from services.modelbuild.presets import DECODER_PRESETS
 from services.runtime.kv_layout import KVLayout
+from services.serving.flags import add_settings_flags, settings_from
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -20,7 +27,7 @@ def _serve(args: argparse.Namespace) -> int:
     from services.api.server import serve
     from services.errors import ModelLoadError, StartupError
 
-    settings = settings_from(args)
+    settings = settings_from(args, Settings)
     configure_logging(settings.log_level, settings.log_format)
     if args.cache_url and url_holds_password(args.cache_url):
         print("kvshare serve: the --cache URL holds a password, which every user of this machine can read in the "
@@ -50,7 +57,7 @@ def _route(args: argparse.Namespace) -> int:
     from services.route.config import RouteSettings
     from services.route.server import serve
 
-    settings = settings_from(args, kind=RouteSettings)
+    settings = settings_from(args, RouteSettings)
     problems = settings.problems()
     for problem in problems:
         print(f"kvshare route: {problem}", file=sys.stderr)
@@ -66,7 +73,7 @@ def _route(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.api.client import generate_main, generate_request
+    from services.client import generate_main, generate_request
 
     connection = _connection(args, "generate")
     return 2 if connection is None else generate_main(connection, generate_request(args), args.timeout_s)
@@ -74,7 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _connection(args: argparse.Namespace, command: str):
     """The client's Connection from its flags, or None after one line on stderr saying what is wrong."""
-    from services.api.client import Connection, ConnectionSettingsError
+    from services.client import Connection, ConnectionSettingsError
 
     try:
         return Connection.from_args(args)
@@ -111,7 +118,7 @@ def _build_model(args: argparse.Namespace) -> int:
 
 def _chat(args: argparse.Namespace) -> int:
     from kvshare.v1 import generator_pb2 as pb
-    from services.api.client import chat_main
+    from services.client import chat_main
 
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
     if args.top_p is not None:
@@ -155,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="serve a model folder over gRPC")
-    add_settings_flags(serve)
+    add_settings_flags(serve, Settings)
     serve.set_defaults(func=_serve)
 
     from services.route.config import RouteSettings

@@ -1,4 +1,5 @@
-"""Client-side traffic for the benchmarks and the fault tests: Generate streams over grpc.aio, each
+"""Client-side traffic for the benchmarks and the fault lab (``store_faults``, also run by the
+tests): Generate streams over grpc.aio, each
 recorded with its status, token arrival times and tokens, and a workload of greedy requests sharing
 one system prompt whose every answer is checked against the same prompt computed cold.
 
@@ -23,7 +24,10 @@ import numpy as np
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.client import complete
+from services.client import complete
+
+FIRST_TOKEN_ID = 3
+"""Random prompts draw ids from here up: the ids below are the seeded tokenizer's special tokens."""
 
 
 @dataclass(slots=True)

@@ -1,4 +1,5 @@
-"""A small synchronous client: what `kvshare generate` and the demo use to call a worker."""
+"""A small synchronous client: what `kvshare generate`, the demo, the benchmarks and the tests use
+to call a worker."""
 
 from __future__ import annotations
 
@@ -110,6 +111,20 @@ def complete_all(stub: pb_grpc.GeneratorStub, request: pb.GenerateRequest, timeo
             echo(message.text)
     return [by_index[i] for i in sorted(by_index)] or [Completion(text="", token_ids=[], last=None, messages=0)]
 
+
+def raw_call(channel: grpc.Channel, method: str, request: bytes, timeout_s: float) -> tuple[grpc.StatusCode, bytes]:
+    """Sends ``request`` bytes to /kvshare.v1.Generator/``method`` and returns the status and the
+    response bytes unparsed (all messages of a stream, joined), or the error's details.
+
+    Bytes both ways: a request may be malformed on purpose (fuzzing), and a big answer is not
+    parsed by this process while it measures something else."""
+    path = f"/kvshare.v1.Generator/{method}"
+    try:
+        if method == "Generate":
+            return grpc.StatusCode.OK, b"".join(channel.unary_stream(path)(request, timeout=timeout_s))
+        return grpc.StatusCode.OK, channel.unary_unary(path)(request, timeout=timeout_s)
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details().encode()
 
 def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
     """The request `kvshare generate` sends for its parsed flags."""
