@@ -13,7 +13,9 @@ everything under ``cachestore/`` is ``cachestore``. Then:
   know nothing of scheduling, building or storing);
 - ``engine`` imports nothing of ``api`` (the engine knows no gRPC);
 - neither the project nor the tests import a benchmark (``bench``) module: what both need lives in
-  the project.
+  the project;
+- inside ``services/engine/`` every import runs one way between its rooms: engine -> input/output
+  processors, KV connector, scheduler -> model runner -> what lies below them all.
 """
 
 from __future__ import annotations
@@ -227,3 +229,52 @@ def test_the_walker_sees_nested_and_relative_imports(tmp_path):
     assert component == ["a", "b", "c"]
     assert describe(component, edges).splitlines()[:3] == ["a, b, c import one another (a -> b -> c -> a):",
                                                            "  a -> b:", "    services/a/one.py:2 imports services.b.two"]
+
+
+ENGINE_ROOMS = {
+    "services.engine.engine": "engine",
+    "services.engine.input_processor": "processors",
+    "services.engine.output_processor": "processors",
+    "services.engine.scheduler": "scheduler",
+    "services.engine.runner": "runner",
+}
+"""The rooms of ``services/engine/`` (docs/design.md, "The rooms of the engine"); the KV connector's
+modules are the room ``connector``, except its plain per-sequence state; every other module is
+``shared``: data and mechanisms below every room (a sequence, its lifecycle, a step's plan)."""
+ENGINE_ROOM_MAY_IMPORT = {
+    "engine": {"processors", "connector", "scheduler", "runner", "shared"},
+    "processors": {"shared"},
+    "connector": {"shared"},
+    "scheduler": {"runner", "shared"},
+    "runner": {"shared"},
+    "shared": {"shared"},
+}
+"""Every arrow runs one way: engine -> processors, connector, scheduler -> runner -> runtime."""
+
+
+def engine_room(module: str) -> str | None:
+    """The room of a module of ``services.engine`` (None outside the engine)."""
+    if not module.startswith("services.engine."):
+        return None
+    if module.startswith("services.engine.kv_connector") and module != "services.engine.kv_connector.state":
+        return "connector"
+    return ENGINE_ROOMS.get(module, "shared")
+
+
+def test_the_engine_rooms_import_one_way():
+    """The scheduler plans and the runner runs; the connector and the processors know neither: a
+    room that imported back from one above it would tie their tests and their threads together."""
+    modules = project_modules(ROOT, ("services",))
+    broken = []
+    for module, path in modules.items():
+        room = engine_room(module)
+        if room is None:
+            continue
+        for imported in imports_of(path, module, set(modules), ROOT):
+            target = engine_room(imported.module)
+            if target is not None and target != room and target not in ENGINE_ROOM_MAY_IMPORT[room]:
+                broken.append(f"{room} -> {target}: {imported.where} imports {imported.module}")
+    assert not broken, "imports against the engine's layering:\n" + "\n".join(broken)
+    assert engine_room("services.engine.kv_connector.worker_side") == "connector"
+    assert engine_room("services.engine.lifecycle") == "shared"
+    assert "scheduler" not in ENGINE_ROOM_MAY_IMPORT["runner"], "the runner never imports the planner"
