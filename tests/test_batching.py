@@ -231,16 +231,28 @@ class GatedStore(MemoryStore):
             self.reads.set()
         if not gate_writes:
             self.writes.set()
+        self._entered = threading.Condition()
         self.writes_waiting = 0
+        """Writes that have entered ``put_many`` (each then waits at the write gate)."""
 
     def get_many(self, keys):
         assert self.reads.wait(30), "read gate never opened"
         return super().get_many(keys)
 
     def put_many(self, items):
-        self.writes_waiting += 1
+        with self._entered:
+            self.writes_waiting += 1
+            self._entered.notify_all()
         assert self.writes.wait(30), "write gate never opened"
         return super().put_many(items)
+
+    def wait_for_writes(self, count: int, timeout_s: float = 30.0) -> None:
+        """Returns once ``count`` writes have entered ``put_many``: a write is submitted to a write
+        thread before that thread runs it, so counting them at once would race the thread. The
+        bound only fails a hung test."""
+        with self._entered:
+            assert self._entered.wait_for(lambda: self.writes_waiting >= count, timeout_s), \
+                f"{self.writes_waiting} writes entered the store, expected {count}"
 
 
 async def wait_for(predicate, what: str, timeout_s: float = 20.0) -> None:
@@ -336,6 +348,7 @@ def test_publish_copies_blocks_before_the_slot_is_reused(tiny_model):
     reference = run(first)
     run(prompt(6 * B, seed=8))
     run(prompt(5 * B + 1, seed=9))
+    store.wait_for_writes(1)
     assert store.writes_waiting >= 1 and all(store.get(block_key(h)) is None for h in hashes)
     store.writes.set()
     asyncio.run(engine.wait_for_publishes())
@@ -367,6 +380,7 @@ def test_lookups_never_wait_behind_publishes(tiny_model):
     async def scenario():
         for i in range(6):
             await run_stream(engine, request(prompt(3 * B, seed=40 + i), n=2))
+        await asyncio.to_thread(store.wait_for_writes, 2)
         assert store.writes_waiting == 2  # both write threads are stuck, four publishes queued behind them
         tokens, _, last = await run_stream(engine, request(prompt(3 * B, seed=99), n=5))
         assert len(tokens) == 5 and last.usage.cached_prompt_tokens == 0
@@ -539,6 +553,7 @@ def test_publishes_beyond_the_pending_bytes_are_dropped_uncopied(tiny_model):
     engine = Engine.load(tiny_model, EngineOptions(block_size=B, max_pending_publish_bytes=1), store, CacheStats(), "cpu", 2)
     ids = [prompt(4 * B + 1, 31), prompt(4 * B + 1, 32)]
     asyncio.run(run_stream(engine, request(ids[0], n=2)))
+    store.wait_for_writes(1)
     assert store.writes_waiting == 1
     asyncio.run(run_stream(engine, request(ids[1], n=2)))
     assert engine.cache_stats.snapshot()["publishes_dropped"] == 1 and store.writes_waiting == 1

@@ -1,13 +1,12 @@
 """Announcements of a lease holder's progress (Redis pub/sub): a waiting worker looks for blocks
 when the holder announces a chunk, and only now and then otherwise; announcements are hints, so
 a lost, forged or flooding one costs a look, never an answer. A real redis-server, real ONNX
-Runtime sessions; every case waits for states, or asserts that something did not happen before a
-time it cannot happen before, never that something is fast."""
+Runtime sessions; every case waits for states (the waits' thread reads a clock the test sets), never
+that something is fast; a bounded wait only fails a hung test."""
 
 import asyncio
 import queue
 import threading
-import time
 import types
 from collections.abc import Callable, Collection
 
@@ -25,6 +24,7 @@ from cachestore.memory import MemoryStore
 from cachestore.redis_notices import RedisNotices
 from cachestore.stats import CacheStats
 from cachestore.store import Notices
+from services.engine import run_waits
 from services.engine.leases import HeldLeases
 from services.engine.run_waits import (
     IDLE_POLLS,
@@ -36,7 +36,8 @@ from services.engine.run_waits import (
 from services.local.redis_process import RedisClusterServers
 
 A, B_, C = (progress_channel(b"worker.%d" % row) for row in range(3))
-POLL_S = 2.0
+HUNG_S = 60.0
+"""How long a wait that only a hung test outlasts may take."""
 
 
 def listening(store) -> tuple[Notices, queue.Queue[tuple[str, bool]]]:
@@ -142,20 +143,22 @@ class _Refused:
 
 def test_a_failed_subscription_pauses_whatever_the_channels_do(monkeypatch):
     """Waits coming and going while the store refuses (an ACL without the channels, a server
-    down) do not each try again: one attempt, then a pause (30 s here, so that nothing in the
-    test can outlast it), which only ``close`` cuts short."""
-    monkeypatch.setattr(redis_notices, "RETRY_S", 30.0)
+    down) do not each try again: one attempt, then a pause (a million seconds here: nothing in the
+    test can outlast it), which only ``close`` cuts short: ``close`` waits for the thread as long
+    as a hung test would (instead of its 2 s), so the thread has ended when it returns only if the
+    pause was cut short."""
+    monkeypatch.setattr(redis_notices, "RETRY_S", 1e6)
+    monkeypatch.setattr(redis_notices, "CLOSE_S", HUNG_S)
     connect = _Refused()
     notices = RedisNotices(connect, lambda channel, announced: None, "refusing")
     notices.listen({A})
-    wait_until(lambda: connect.attempts == 1, what="the first attempt")
+    wait_until(lambda: connect.attempts == 1, timeout_s=HUNG_S, what="the first attempt")
     for channels in ({A, B_}, {B_}, set(), {C}, {A, C}):
         notices.listen(channels)
     assert not notices.live
-    closed = time.monotonic()
     notices.close()
+    assert not notices._thread.is_alive(), "close cut the pause short"
     assert connect.attempts == 1
-    assert time.monotonic() - closed < redis_notices.CLOSE_S + 1, "close cut the pause short"
 
 
 class _StuckPubSub:
@@ -222,11 +225,42 @@ def idle_wait(**fields) -> RunWait:
                       "pace_blocks": 1, "on_end": lambda end: None, "channel": A} | fields)
 
 
-def test_a_wait_looks_when_its_channel_is_announced_at_most_once_a_poll_and_seldom_otherwise():
-    """Polls 2 s apart, so a look without an announcement is 10 s away: the look an announcement
-    brings comes seconds before that, and looks are never closer than a poll, by the steps' own
-    clock."""
-    waits, notices = waits_with_test_notices(POLL_S)
+class _Clock:
+    """``time`` for ``run_waits``: ``monotonic()`` says what the test set, and counts its reads so
+    that the test can wait until the waits' thread has looked at the time it set."""
+
+    def __init__(self, now: float) -> None:
+        self._now = now
+        self._reads = 0
+        self._cond = threading.Condition()
+
+    def monotonic(self) -> float:
+        with self._cond:
+            self._reads += 1
+            self._cond.notify_all()
+            return self._now
+
+    def set(self, now: float) -> int:
+        """Sets the time; returns the reads so far (for ``wait_reads``)."""
+        with self._cond:
+            self._now = now
+            return self._reads
+
+    def wait_reads(self, count: int) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: self._reads >= count, HUNG_S), "the waits' thread stopped reading the time"
+
+
+def test_a_wait_looks_when_its_channel_is_announced_at_most_once_a_poll_and_seldom_otherwise(monkeypatch):
+    """The waits' thread reads a clock the test sets (its own waits between readings are a poll
+    or less of real time, so it keeps reading). A look comes at once for a new wait; an
+    announcement brings the next look to one poll after the previous one (without it, it is
+    ``IDLE_POLLS`` polls away); a flood of announcements still brings one look a poll; and at no
+    time the test sets before a look is due is one made."""
+    clock = _Clock(1000.0)
+    monkeypatch.setattr(run_waits, "time", clock)
+    poll = 0.05
+    waits, notices = waits_with_test_notices(poll)
     steps: queue.Queue[float] = queue.Queue()
     ends: queue.Queue[WaitEnd] = queue.Queue()
     arrived = threading.Event()
@@ -235,23 +269,44 @@ def test_a_wait_looks_when_its_channel_is_announced_at_most_once_a_poll_and_seld
         steps.put(wait.stepped_at)
         return 1 if arrived.is_set() else 0
 
-    wait = idle_wait(fetch_more=fetch_more, missing=lambda: 0 if arrived.is_set() else 1, on_end=ends.put)
+    def no_look_until(due: float) -> None:
+        """Sets the clock just before ``due`` and lets the thread read it three times: a look
+        decided at the first reading would have read it again and called ``fetch_more`` before
+        the third. No look is made."""
+        clock.wait_reads(clock.set(due - poll / 100) + 3)
+        assert steps.empty(), f"a look before {due}"
+
+    wait = idle_wait(fetch_more=fetch_more, missing=lambda: 0 if arrived.is_set() else 1, on_end=ends.put,
+                     last_progress=1000.0)
     try:
         waits.add(wait)
-        first = steps.get(timeout=10)  # a new wait looks at once
+        first = steps.get(timeout=HUNG_S)
+        assert first == 1000.0, "a new wait looks at once"
         assert notices.channels == {A}
         notices.on_notice(B_, True)
         assert waits.woken == 0 and not wait.noticed, "another channel's announcement wakes nobody"
         notices.on_notice(A, True)
-        second = steps.get(timeout=6)
-        assert second - first < POLL_S * IDLE_POLLS, "the announcement brought the look forward"
+        no_look_until(first + poll)
+        clock.set(first + poll)
+        second = steps.get(timeout=HUNG_S)
+        assert second == first + poll < first + poll * IDLE_POLLS, "the announcement brought the look forward to one poll"
         notices.on_notice(A, True)  # a flood of announcements: one look a poll at most
         notices.on_notice(A, True)
-        third = steps.get(timeout=6)
-        assert third - second >= POLL_S
+        no_look_until(second + poll)
+        clock.set(second + poll)
+        third = steps.get(timeout=HUNG_S)
+        assert third == second + poll
+        # Quiet: no announcement, so the next look is IDLE_POLLS polls away.
+        no_look_until(third + poll * IDLE_POLLS)
+        clock.set(third + poll * IDLE_POLLS)
+        fourth = steps.get(timeout=HUNG_S)
+        assert fourth == third + poll * IDLE_POLLS
         arrived.set()
         notices.on_notice(A, False)  # a subscription confirmed: a look, not counted as woken
-        assert ends.get(timeout=10) is WaitEnd.COMPLETE
+        no_look_until(fourth + poll)
+        clock.set(fourth + poll)
+        assert steps.get(timeout=HUNG_S) == fourth + poll
+        assert ends.get(timeout=HUNG_S) is WaitEnd.COMPLETE
         assert notices.channels == set(), "a wait that ended is no longer listened for"
         assert waits.woken == 3
     finally:

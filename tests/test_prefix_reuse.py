@@ -1,7 +1,7 @@
 """Suffix-only prefill from cached prefix blocks, in-process engines over a real redis-server."""
 
 import asyncio
-import time
+import threading
 
 import numpy as np
 import pytest
@@ -161,46 +161,71 @@ def test_skip_read_and_skip_write(replicas, redis_server):
     assert generate(b, ids)[1].usage.cached_prompt_tokens == 4 * B
 
 
-class SlowWrites(MemoryStore):
-    """A memory store whose writes take ``delay_s``: stands for a slow or overloaded store."""
+class HeldWrites(MemoryStore):
+    """A memory store whose writes wait until the test opens ``gate``: stands for a store too slow
+    to answer at all while the test looks. Counts the writes that entered ``put_many`` and those
+    that finished."""
 
-    def __init__(self, delay_s: float) -> None:
+    def __init__(self) -> None:
         super().__init__(1 << 30)
-        self.delay_s = delay_s
+        self.gate = threading.Event()
+        self._counted = threading.Condition()
+        self.writes_started = 0
         self.writes_finished = 0
 
     def put_many(self, items):
-        time.sleep(self.delay_s)
+        with self._counted:
+            self.writes_started += 1
+            self._counted.notify_all()
+        assert self.gate.wait(HUNG_S), "the write gate never opened"
         written = super().put_many(items)
-        self.writes_finished += 1
+        with self._counted:
+            self.writes_finished += 1
         return written
+
+    def wait_started(self, count: int) -> None:
+        """Returns once ``count`` writes have entered ``put_many`` (fails only a hung test)."""
+        with self._counted:
+            assert self._counted.wait_for(lambda: self.writes_started >= count, HUNG_S), \
+                f"{self.writes_started} writes reached the store, expected {count}"
+
+
+HUNG_S = 60.0
+"""How long a wait that only a hung test outlasts may take: no case here waits for a duration."""
 
 
 def test_publishing_does_not_delay_the_first_token(tiny_model):
-    delay_s = 2.0
-    store = SlowWrites(delay_s)
+    """Every write is held at the store until the stream has ended: the first token, and the whole
+    stream, arrive while the prompt's publish is still waiting in ``put_many``. Had the token path
+    waited on the publish, the stream would not end before the gate opens (and the test would fail
+    on its bounded wait)."""
+    store = HeldWrites()
     engine = make_engine(tiny_model, store)
     ids = prompt(8 * B + 3, seed=6)
 
-    async def first_token_then_rest(request):
-        t0 = time.perf_counter()
-        stream = engine.generate(request)
-        first = await stream.__anext__()
-        ttft = time.perf_counter() - t0
-        async for _ in stream:
-            pass
-        return first, ttft
-
     async def scenario():
-        request = GenerationRequest(prompt_token_ids=ids, max_new_tokens=4, ignore_eos=True)
-        first, ttft = await first_token_then_rest(request)
-        assert store.writes_finished == 0, "the write was still in flight when the stream ended"
+        stream = engine.generate(GenerationRequest(prompt_token_ids=ids, max_new_tokens=4, ignore_eos=True))
+        first = await asyncio.wait_for(stream.__anext__(), HUNG_S)
+        assert first.token_ids, "a first token"
+        assert store.writes_finished == 0, "the first token came while no write had reached the store"
+        tokens, last = list(first.token_ids), first
+        async with asyncio.timeout(HUNG_S):
+            async for chunk in stream:
+                tokens += chunk.token_ids
+                last = chunk
+        assert len(tokens) == 4 and last.finish_reason is FinishReason.LENGTH
+        # The prompt's publish was made (it is waiting in put_many), and it has not finished.
+        await asyncio.to_thread(store.wait_started, 1)
+        assert store.writes_finished == 0, "the stream ended while the prompt's publish was held at the store"
+        store.gate.set()
         await engine.wait_for_publishes()
-        return ttft
 
-    ttft = asyncio.run(scenario())
-    assert ttft < delay_s / 4, f"first token after {ttft * 1e3:.0f} ms with {delay_s * 1e3:.0f} ms writes"
-    assert store.writes_finished == 1
+    try:
+        asyncio.run(scenario())
+    finally:
+        store.gate.set()
+    assert store.writes_started == store.writes_finished == 1
+    assert engine.prefix.lookup(engine.namespace(""), ids).hit_blocks == 8, "the held publish reached the store"
     engine.close()
 
 

@@ -7,6 +7,7 @@ real worker processes, a real redis-server; every case waits for states, never f
 import asyncio
 import threading
 import time
+import types
 from concurrent.futures import Future
 
 import grpc
@@ -26,6 +27,7 @@ from cachestore.store import KVStore
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
+from services.engine import run_waits
 from services.engine.leases import Claim, HeldLeases, Tokens
 from services.engine.run_waits import LeaseOptions, RunWait, RunWaits, WaitEnd
 from services.local.worker_process import WorkerProcess
@@ -169,16 +171,19 @@ def test_a_dead_holders_lease_is_waited_for_only_until_the_bound(tiny_model, red
         engine.close()
 
 
-def test_the_holders_pace_is_judged_on_two_chunks_not_one():
+def test_the_holders_pace_is_judged_on_two_chunks_not_one(monkeypatch):
     """A waiter gives up on a holder that looks slower than computing only once as long has passed
     since the holder's first blocks as computing ``pace_blocks`` (two chunks' worth) would take:
-    one chunk's interval at a burst's start is noise. The clock is set a second back and the
-    thresholds are 0.8 s and 1.6 s, so no machine's speed matters."""
+    one chunk's interval at a burst's start is noise. The waits read a clock that stands still a
+    second after the first blocks, and the thresholds are 0.8 s and 1.6 s, so no machine's speed
+    matters."""
+    monkeypatch.setattr(run_waits, "time", types.SimpleNamespace(monotonic=lambda: 1001.0))
+
     def wait(received: int, ms_per_block: float) -> RunWait:
         return RunWait(fetch_more=lambda: 0, missing=lambda: 16, held=lambda: True, cancelled=lambda: False,
                        compute_s=lambda blocks: blocks * ms_per_block / 1e3, stall_s=3600.0, first_stall_s=3600.0,
                        pace_blocks=8, on_end=lambda end: None, received=received,
-                       first_arrival=time.monotonic() - 1.0, first_batch=4)
+                       last_progress=1001.0, first_arrival=1000.0, first_batch=4)
 
     # One chunk (4 blocks) in the second since the first: the 16 missing would come in 4 s against
     # 3.2 s computing, but two chunks' worth of computing (1.6 s) has not passed yet.
