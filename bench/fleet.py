@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -78,6 +79,12 @@ def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None
                         help="model folder to measure instead of the seeded bench preset (e.g. from kvshare fetch-model)")
     if extra:
         extra(parser)
+    # A benchmark measures serving, never a shutdown: the workers and routers it starts (they get
+    # this environment) stop at once on SIGTERM instead of reporting NOT_SERVING for 2 s first, most
+    # of a smoke run's stops. Set here, in the benchmark's own process, not on import: tests import
+    # bench modules. A flag or a variable the caller set still wins.
+    os.environ.setdefault("KVSHARE_NOT_SERVING_S", "0")
+    os.environ.setdefault("KVSHARE_ROUTE_NOT_SERVING_S", "0")
     return parser.parse_args()
 
 

@@ -9,6 +9,9 @@ from __future__ import annotations
 import os
 import platform
 import subprocess
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,13 +85,16 @@ class Helm:
         self._values_dir = home / "values"
         self._values_dir.mkdir(parents=True, exist_ok=True)
         self._count = 0
+        self._count_lock = threading.Lock()  # runs may come from several threads (``each``)
 
     def run(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run([str(self.binary), *args], capture_output=True, text=True, env=self.env, timeout=120)
 
     def _values_args(self, values: dict) -> list[str]:
-        self._count += 1
-        path = self._values_dir / f"values-{self._count}.yaml"
+        with self._count_lock:
+            self._count += 1
+            count = self._count
+        path = self._values_dir / f"values-{count}.yaml"
         path.write_text(yaml.safe_dump(values))
         return ["-f", str(path)]
 
@@ -136,7 +142,16 @@ def _latest_kubernetes() -> str:
 def kube_version(name: str) -> str:
     return _latest_kubernetes() if name == "latest" else name
 
+def each(names: Iterable[str], run: Callable[[str], object]) -> dict[str, object]:
+    """``run(name)`` for every name, as many at a time as there are cores: the runs are short tool
+    processes (helm, kubernetes-validate) that keep one core busy each, so one after another left the
+    other core idle. Results in ``names``' order."""
+    names = list(names)
+    with ThreadPoolExecutor(max(2, os.cpu_count() or 1)) as pool:
+        return dict(zip(names, pool.map(run, names)))
+
+
 def render_all(helm: Helm) -> dict[str, list[dict]]:
     """Every value set rendered once, with the capabilities of its newest Kubernetes version."""
-    return {name: helm.render(vs.values, kube_version=kube_version(vs.kube_versions[-1]))
-            for name, vs in VALUE_SETS.items()}
+    return each(VALUE_SETS, lambda name: helm.render(VALUE_SETS[name].values,
+                                                       kube_version=kube_version(VALUE_SETS[name].kube_versions[-1])))

@@ -36,6 +36,7 @@ from chart import (
     RELEASE,
     ROOT,
     VALUE_SETS,
+    each,
     kube_version,
 )
 
@@ -77,10 +78,16 @@ def worker_container(docs: list[dict]) -> dict:
 # --- helm lint, render, Kubernetes schemas --------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def linted(helm) -> dict[str, subprocess.CompletedProcess]:
+    """``helm lint --strict`` of every value set, run side by side once; each test checks its own."""
+    return each(VALUE_SETS, lambda name: helm.lint(VALUE_SETS[name].values,
+                                                   kube_version=kube_version(VALUE_SETS[name].kube_versions[-1])))
+
+
 @pytest.mark.parametrize("name", list(VALUE_SETS))
-def test_helm_lint_strict(helm, name):
-    vs = VALUE_SETS[name]
-    result = helm.lint(vs.values, kube_version=kube_version(vs.kube_versions[-1]))
+def test_helm_lint_strict(linted, name):
+    result = linted[name]
     assert result.returncode == 0, result.stdout + result.stderr
     assert "1 chart(s) linted, 0 chart(s) failed" in result.stdout
 
@@ -128,25 +135,30 @@ def test_manifests_pass_kubernetes_validate_strict(rendered, tmp_path):
             # test_autoscaling_scales_on_streams_in_flight instead.
             if not doc["apiVersion"].startswith(("monitoring.coreos.com/", "keda.sh/")):
                 bucket.setdefault(yaml.safe_dump(doc, sort_keys=True), doc)
+    runs = {}
     for i, (versions, docs) in enumerate(by_versions.items()):
         path = tmp_path / f"manifests-{i}.yaml"
         path.write_text(yaml.safe_dump_all(list(docs.values()), sort_keys=False))
         args = [arg for v in versions for arg in ("-k", v)]
-        result = subprocess.run([sys.executable, "-m", "kubernetes_validate", *args, "--strict", "--quiet", str(path)],
-                                capture_output=True, text=True, timeout=300)
-        # --quiet prints only failures and warnings; a warning (unknown kind or API version) is a
-        # failure here too, since it means the document was not checked.
-        assert result.returncode == 0 and not result.stdout.strip(), (
-            f"kubernetes-validate {' '.join(args)} --strict:\n{result.stdout}{result.stderr}")
+        runs[" ".join(args)] = ([*args, "--strict", "--quiet", str(path)], 300)
 
     # The same run rejects a manifest with an unknown field: strict mode is really on.
     deployment = copy.deepcopy(find(rendered["defaults"], "Deployment"))
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpcService"] = "x"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(deployment))
-    result = subprocess.run([sys.executable, "-m", "kubernetes_validate", "-k", OLDEST_KUBERNETES, "--strict",
-                             "--quiet", str(bad)], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 1 and "grpcService" in result.stdout
+    runs["bad"] = (["-k", OLDEST_KUBERNETES, "--strict", "--quiet", str(bad)], 120)
+
+    # Side by side (each run spends seconds loading schemas on one core), then checked one by one.
+    results = each(runs, lambda key: subprocess.run([sys.executable, "-m", "kubernetes_validate", *runs[key][0]],
+                                                    capture_output=True, text=True, timeout=runs[key][1]))
+    bad_result = results.pop("bad")
+    for args, result in results.items():
+        # --quiet prints only failures and warnings; a warning (unknown kind or API version) is a
+        # failure here too, since it means the document was not checked.
+        assert result.returncode == 0 and not result.stdout.strip(), (
+            f"kubernetes-validate {args} --strict:\n{result.stdout}{result.stderr}")
+    assert bad_result.returncode == 1 and "grpcService" in bad_result.stdout
 
 
 def test_image_model_source_needs_kubernetes_1_31(helm):
