@@ -47,6 +47,17 @@ def pytest_terminal_summary(terminalreporter) -> None:
             terminalreporter.write_line(f"{label}: {gap:.4f}")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def workers_stop_at_once():
+    """Workers and routers the tests start stop at once on SIGTERM: the 2 s of NOT_SERVING are for
+    balancers, which no test has (about 50 worker stops a run); the tests of shutdown give
+    ``--not-serving-s`` themselves."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("KVSHARE_NOT_SERVING_S", "0")
+        patch.setenv("KVSHARE_ROUTE_NOT_SERVING_S", "0")
+        yield
+
+
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[tuple[str, KVLayout], Path]:
     """Seeded folders for every (preset, layout) the tests use, built lazily and once."""

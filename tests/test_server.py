@@ -230,7 +230,9 @@ def still_serves_on(worker) -> None:
 
 def test_sigterm_reports_not_serving_then_drains(model_dirs):
     # The small model, so that the in-flight stream is still running when SIGTERM lands.
-    with WorkerProcess(model_dirs["small", KVLayout.SEPARATE], "--drain-s", "30") as w, grpc.insecure_channel(w.target) as channel:
+    # --not-serving-s 2 is the default, which the suite's workers otherwise skip (conftest).
+    with WorkerProcess(model_dirs["small", KVLayout.SEPARATE], "--drain-s", "30", "--not-serving-s", "2") as w, \
+            grpc.insecure_channel(w.target) as channel:
         stub = pb_grpc.GeneratorStub(channel)
         result = {}
         started = threading.Event()
