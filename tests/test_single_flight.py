@@ -287,10 +287,10 @@ def test_redis_down_the_burst_computes_and_answers_as_cold(tiny_model, redis_ser
         async def burst():
             return await asyncio.gather(*(run_stream(engines[i % 2], r) for i, r in enumerate(requests)))
 
-        t = time.monotonic()
-        answers = asyncio.run(burst())
-        assert time.monotonic() - t < 60
+        # Only a hang fails on the clock; that nothing waited is what the counters say.
+        answers = asyncio.run(asyncio.wait_for(burst(), timeout=600))
         assert not any(e.cache_stats.lease_waits for e in engines), "no lease, no wait"
+        assert not any(e.waits.waiting for e in engines)
         for req, (tokens, _, _) in zip(requests, answers, strict=True):
             assert tokens == alone(engines[0], req)[0]
     finally:
