@@ -3,22 +3,46 @@ numbers, so they cannot rot between the runs recorded in docs/benchmarks.md."""
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from services.local.model_cache import cache_dir, ensure_model
+
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.subprocess
+BENCHES = ["ttft", "fetch", "decode", "overhead", "block_size", "batch", "load", "reliability", "stalls", "signing",
+           "attacks", "samples", "turns", "cache_dtype", "route", "burst"]
+PLOTTED = ("ttft", "batch")
+AT_ONCE = 2
+"""Smoke runs side by side: most of one is process start-up and waiting on its own servers."""
 
 
-@pytest.mark.parametrize("bench", ["ttft", "fetch", "decode", "overhead", "block_size", "batch", "load", "reliability",
-                                   "stalls", "signing", "attacks", "samples", "turns", "cache_dtype",
-                                   "route", "burst"])
-def test_benchmark_smoke_run(bench, tmp_path):
-    extra = ["--plot", str(tmp_path / f"{bench}.png")] if bench in ("ttft", "batch") else []
-    proc = subprocess.run([sys.executable, "-m", f"bench.{bench}", "--smoke", *extra], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+@pytest.fixture(scope="module")
+def smoke_runs(request, tmp_path_factory) -> dict:
+    """The smoke run of every benchmark this session selected, ``AT_ONCE`` at a time, each its own
+    process, its own servers and ports. The tiny model they all serve is built first, here, by
+    the function they use, so that no two runs build it at once."""
+    wanted = [item.callspec.params["bench"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")]
+    ensure_model(cache_dir() / "decoder-tiny", "tiny")
+    folder = tmp_path_factory.mktemp("bench-plots")
+
+    def run(bench: str) -> tuple[subprocess.CompletedProcess, Path]:
+        plot = folder / f"{bench}.png"
+        extra = ["--plot", str(plot)] if bench in PLOTTED else []
+        return subprocess.run([sys.executable, "-m", f"bench.{bench}", "--smoke", *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=300), plot
+
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        return dict(zip(wanted, pool.map(run, wanted), strict=True))
+
+
+@pytest.mark.parametrize("bench", BENCHES)
+def test_benchmark_smoke_run(bench, smoke_runs):
+    proc, plot = smoke_runs[bench]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "|---:|" in proc.stdout, "prints its table"
-    if bench in ("ttft", "batch"):
-        assert (tmp_path / f"{bench}.png").read_bytes()[:4] == b"\x89PNG"
+    if bench in PLOTTED:
+        assert plot.read_bytes()[:4] == b"\x89PNG"
