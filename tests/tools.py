@@ -127,9 +127,10 @@ def fetch_checkov() -> None:
     """A virtualenv of its own (recreated from scratch), since checkov pins exact versions of many
     packages that would clash with the project's."""
     venv = checkov_venv()
-    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True, timeout=300)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                    f"checkov=={CHECKOV_VERSION}"], check=True, timeout=1800)
+    # Without a pip of its own (seconds of copying): this pip installs into it.
+    subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
+                    "--disable-pip-version-check", f"checkov=={CHECKOV_VERSION}"], check=True, timeout=1800)
     (venv / CHECKOV_STAMP).write_text(f"checkov=={CHECKOV_VERSION}\n")
 
 
