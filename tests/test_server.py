@@ -182,10 +182,10 @@ def test_expired_deadline_stops_the_request_and_frees_its_slot(tiny_model):
         blackhole.bind(("127.0.0.1", 0))
         blackhole.listen(16)
         store = f"redis://127.0.0.1:{blackhole.getsockname()[1]}/0"
-        # Store calls hang 3 s (twice, with the retry): ten times the deadline, and short enough
+        # Store calls hang 1.5 s (twice, with the retry): five times the deadline, and short enough
         # that the worker's shutdown, which lets a running lookup end, stays quick.
-        with WorkerProcess(tiny_model, "--cache", store, "--cache-op-timeout-ms", "3000", "--cache-connect-timeout-ms",
-                           "3000", "--max-batch", "1") as w, grpc.insecure_channel(w.target) as channel:
+        with WorkerProcess(tiny_model, "--cache", store, "--cache-op-timeout-ms", "1500", "--cache-connect-timeout-ms",
+                           "1500", "--max-batch", "1") as w, grpc.insecure_channel(w.target) as channel:
             stub = pb_grpc.GeneratorStub(channel)
             request = pb.GenerateRequest(request_id="deadline", prompt_token_ids=list(range(3, 200)), max_new_tokens=500,
                                          ignore_eos=True)
