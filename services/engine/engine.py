@@ -138,10 +138,13 @@ class Engine:
         pace = PrefillPace(options.leases.first_ms_per_token)
         self.connector = KVConnector(spec, session.kv_dtype, session.cross_heads,
                                      storage_dtype(options.cache_dtype), store, cache_stats, ConnectorOptions(
-                                         options.block_size, options.namespace_secret, options.max_value_bytes,
-                                         options.store_write_threads, options.max_pending_publishes,
-                                         options.max_pending_publish_bytes, options.leases,
-                                         scheduling.max_prefill_tokens_per_step), pace)
+                                         block_size=options.block_size, namespace_secret=options.namespace_secret,
+                                         max_value_bytes=options.max_value_bytes,
+                                         store_write_threads=options.store_write_threads,
+                                         max_pending_publishes=options.max_pending_publishes,
+                                         max_pending_publish_bytes=options.max_pending_publish_bytes,
+                                         leases=options.leases, chunk_tokens=scheduling.max_prefill_tokens_per_step),
+                                     pace)
         self.runner = ModelRunner(session, encoder, scheduling.max_batch, spec.context_length,
                                   self.connector.worker_side, pace, scheduling.max_unread_tokens)
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")

@@ -96,7 +96,3 @@ class SequenceKV:
     done (or it ends)."""
     trail: Trail | None = None
     """Set when its wait for another worker's blocks ended early (see ``Trail``)."""
-
-    @property
-    def block_size(self) -> int:
-        return self.namespace.block_size
