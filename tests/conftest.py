@@ -118,7 +118,7 @@ def load_engine():
 
     def load(folder: Path) -> Engine:
         engine = Engine.load(folder, EngineOptions(), MemoryStore(64 << 20), CacheStats(),
-                             execution_provider="cpu", intra_op_threads=2)
+                             device="cpu", intra_op_threads=2)
         engines.append(engine)
         return engine
 

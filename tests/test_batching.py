@@ -357,7 +357,7 @@ def test_publish_copies_blocks_before_the_slot_is_reused(tiny_model):
     slot = cold.slots.acquire(len(first))
     cold.slots.begin(slot, [], 0)
     cold.slots.prefill(slot, first)
-    truth = cold.slots.canonical(slot, 0, 4 * B)
+    truth = cold.slots.canonical(slot, 0, 4 * B).result()
     for i, h in enumerate(hashes):
         value = store.get(block_key(h))
         assert value is not None, f"block {i} was not published"

@@ -53,7 +53,7 @@ def engine(tiny_model):
 
 def test_blocks_copied_during_a_fetch_survive_decode_runs_over_the_fetching_row(engine):
     """Row 0 fetches (length 0) while row 1 decodes: each decode run writes a dummy token's K/V at
-    row 0's position 0, over block 0 copied there already. ``begin`` copies block 0 again, and the
+    row 0's position 0. The receiver leaves block 0 to ``begin``, which copies it over them, and the
     request's logits equal computing its prompt."""
     slots, session = engine.slots, engine.session
     assert isinstance(slots, SharedSlots)
@@ -71,10 +71,10 @@ def test_blocks_copied_during_a_fetch_survive_decode_runs_over_the_fetching_row(
     token = int(np.argmax(slots.prefill(other, list(range(3, 30)))))
     lookup = prefix.lookup(namespace, ids, slots.receiver(fetching))
     assert lookup.hit_blocks == 4 and len(lookup.blocks) == 1, "only block 0 is kept for begin"
-    before = slots.canonical(fetching, 0, 1).copy()
+    before = slots.canonical(fetching, 0, 1).result()
     for _ in range(3):
         token = int(np.argmax(slots.decode([other], [token])[0]))
-    assert not np.array_equal(slots.canonical(fetching, 0, 1), before), "decode runs wrote row 0's position 0"
+    assert not np.array_equal(slots.canonical(fetching, 0, 1).result(), before), "decode runs wrote row 0's position 0"
     slots.begin(fetching, lookup.blocks, 4 * B)
     warm_logits = slots.prefill(fetching, ids[4 * B:])
     assert np.array_equal(warm_logits, cold_logits)
@@ -88,12 +88,12 @@ def test_a_fetch_that_outlives_its_slot_writes_nothing_into_the_next_owner(engin
     again = slots.acquire(100)
     assert again.index == slot.index
     slots.begin(again, [], 0)
-    row_before = slots.canonical(again, 0, B).copy()
+    row_before = slots.canonical(again, 0, B).result()
     g = engine.prefix.geometry
     receive(0, np.full(g.block_shape(B), 7.0, np.float16))
     receive(1, np.full(g.block_shape(B), 7.0, np.float16))
-    assert np.array_equal(slots.canonical(again, 0, B), row_before)
-    assert not np.any(slots.canonical(again, 0, 2 * B) == 7.0)
+    assert np.array_equal(slots.canonical(again, 0, B).result(), row_before)
+    assert not np.any(slots.canonical(again, 0, 2 * B).result() == 7.0)
 
 
 def test_a_value_rejected_mid_stream_is_deleted_even_with_a_one_connection_pool(tiny_model, redis_url, redis_server):

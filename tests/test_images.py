@@ -220,7 +220,7 @@ from services.runtime.model_spec import load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.ort import onnxruntime as ort
 
-session = DecoderSession(load_model_spec(Path(sys.argv[1])), execution_provider="auto")
+session = DecoderSession(load_model_spec(Path(sys.argv[1])), device="auto")
 logits, cache = session.run([1, 2, 3], session.empty_cache(8))
 print(json.dumps({"services": services.api.server.__file__, "logits": list(logits.shape), "tokens": cache.length,
                   "provider": session.execution_provider, "version": ort.__version__,

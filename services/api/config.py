@@ -13,6 +13,7 @@ from typing import ClassVar
 
 from cachestore.storage_dtype import DEFAULT as DEFAULT_CACHE_DTYPE
 from cachestore.storage_dtype import STORAGE_DTYPES
+from services.runtime.device_choice import DeviceChoice
 from services.serving.flags import FlagSettings
 
 ENV_PREFIX = "KVSHARE_"
@@ -52,11 +53,11 @@ class Settings(FlagSettings):
     breaker_failures: int = field(default=3, metadata={"help": "Consecutive store failures that open the circuit breaker."})
     breaker_backoff_ms: float = field(default=1000.0, metadata={"help": "First pause before the breaker probes the store again (doubles per failed probe)."})
     breaker_max_backoff_ms: float = field(default=30000.0, metadata={"help": "Longest pause between probes of a failing store."})
-    execution_provider: str = field(default="auto", metadata={"help": "auto (CUDA when onnxruntime-gpu and a GPU are present, else CPU), cpu or cuda.", "choices": ["auto", "cpu", "cuda"]})
+    device: str = field(default="auto", metadata={"help": "Where the model runs and its K/V slots live: cpu, cuda or cuda:N (a CUDA device; one that cannot be used stops the worker at start, exit 2, never a silent fallback), or auto (CUDA device 0 when onnxruntime-gpu, CuPy and a GPU can be used, else the CPU; the start-up log says which)."})
     intra_op_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads per run; 0 lets ONNX Runtime choose (one per physical core)."})
     intra_op_spinning: bool = field(default=False, metadata={"help": "ONNX Runtime's idle threads spin-wait for the next parallel section instead of sleeping: for a host whose cores the worker owns (one stream decoded about 4 per cent faster here, side by side). Off by default: replicas, Redis or other pods sharing the cores lose them to spinning threads (a burst over 2 replicas on 2 vCPUs: p99 TTFT 1.57-1.70 of cold spinning, 1.27-1.53 sleeping)."})
-    max_batch: int = field(default=0, metadata={"min": 0, "help": "Sequences holding a slot at once (rows of the batched decode step; graphs without a shared GQA past/present buffer, encoder-decoders and CUDA run each row batch 1); 0 derives it from --kv-cache-bytes (1 to 64)."})
-    kv_cache_bytes: int = field(default=2 << 30, metadata={"min": 1, "help": "K/V memory for the slots when --max-batch is 0: each slot can hold a whole context."})
+    max_batch: int = field(default=0, metadata={"min": 0, "help": "Sequences holding a slot at once (rows of the batched decode step; graphs without a shared GQA past/present buffer and encoder-decoders run each row batch 1); 0 derives it from --kv-cache-bytes (1 to 64)."})
+    kv_cache_bytes: int = field(default=0, metadata={"min": 0, "help": "K/V memory for the slots when --max-batch is 0: each slot can hold a whole context. 0: 2 GiB on the CPU; on CUDA 45 per cent of the device's free memory at start (CuPy's pool gets half of it, ONNX Runtime's arena 40 per cent for weights and activations)."})
     max_queued: int = field(default=128, metadata={"min": 0, "help": "Requests waiting for a slot; past this a new call gets RESOURCE_EXHAUSTED at once."})
     max_prefill_tokens_per_step: int = field(default=256, metadata={"min": 1, "help": "Prompt tokens prefilled between two decode steps: bounds the gap between tokens of running streams while long prompts arrive."})
     max_unread_tokens: int = field(default=256, metadata={"min": 1, "help": "A stream whose client has not read this many tokens pauses (keeps its slot) until it reads."})
@@ -78,3 +79,11 @@ class Settings(FlagSettings):
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})
     log_format: str = field(default="text", metadata={"help": "Log lines as text, or json (one object per line, for log shippers); one line per finished request either way.", "choices": ["text", "json"]})
 
+    def problems(self) -> list[str]:
+        """``FlagSettings.problems``, and a ``--device`` that names no device."""
+        found = FlagSettings.problems(self)
+        try:
+            DeviceChoice.parse(self.device)
+        except ValueError as exc:
+            found.append(f"{exc} (env {ENV_PREFIX}DEVICE)")
+        return found

@@ -66,6 +66,13 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("kvshare_decode_steps", "Batched decode runs.", value=stats.decode_steps)
         yield CounterMetricFamily("kvshare_decode_rows", "Rows advanced by decode runs (rows / steps = mean batch).",
                                   value=stats.decode_rows)
+        copies = CounterMetricFamily("kvshare_slot_copy_bytes",
+                                     "K/V bytes copied into the batched slots (in: from the host), out of them (out: "
+                                     "to the host, to publish) and between rows (within), on any device.",
+                                     labels=["direction"])
+        for direction, nbytes in engine.session.device.copied.bytes.items():
+            copies.add_metric([direction], nbytes)
+        yield copies
         yield CounterMetricFamily("kvshare_prefill_tokens", "Prompt tokens computed (not served from the store).",
                                   value=stats.prefill_tokens)
         yield CounterMetricFamily("kvshare_prefill_shared_tokens",

@@ -139,7 +139,7 @@ def load_engine(settings: Settings) -> Engine:
         max_stop_string_bytes=settings.max_stop_string_bytes, tokenizer_threads=settings.tokenizer_threads,
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms),
     )
-    return Engine.load(settings.model, options, store, stats, settings.execution_provider, settings.intra_op_threads,
+    return Engine.load(settings.model, options, store, stats, settings.device, settings.intra_op_threads,
                        settings.intra_op_spinning)
 
 
@@ -209,7 +209,8 @@ async def serve(settings: Settings) -> None:
         log.info("health (grpc.health.v1 only, plaintext) on %s:%d", settings.host, settings.health_port)
     # Tests and scripts read this line to learn the port when --port 0 was given.
     print(f"kvshare listening on {settings.host}:{port}", flush=True)
-    log.info("serving %s (%s) on %s:%d (%s%s)", engine.spec.name, engine.session.execution_provider, settings.host, port,
+    log.info("serving %s (%s, %s) on %s:%d (%s%s)", engine.spec.name, engine.session.device_name,
+             engine.session.execution_provider, settings.host, port,
              "plaintext" if credentials is None else "TLS" if settings.tls_client_ca_file is None else "mutual TLS",
              ", API keys required" if keys else "")
 

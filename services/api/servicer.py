@@ -244,4 +244,7 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             execution_provider=session.execution_provider,
             cache_dtype=self._engine.storage_dtype.name,
             cached_bytes_per_token=spec.kv_bytes_per_token(self._engine.storage_dtype.itemsize),
+            device=session.device_name,
+            slots=self._engine.scheduler.options.max_batch,
+            slot_bytes=self._engine.slot_bytes,
         )

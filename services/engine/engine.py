@@ -52,6 +52,7 @@ from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler, SchedulerOptions
 from services.errors import ModelLoadError
 from services.runtime.chat_template import Message, load_chat_template
+from services.runtime.device_arrays import ArrayDevice
 from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
@@ -81,8 +82,9 @@ class EngineOptions:
     """Element type of K/V in the store (``cachestore.storage_dtype``): float32, float16 or bfloat16."""
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     """Batch, queue, prefill budget and back-pressure; ``max_batch`` 0 is derived from ``kv_cache_bytes``."""
-    kv_cache_bytes: int = 2 << 30
-    """K/V memory budget of the slots when ``scheduler.max_batch`` is 0 (bytes)."""
+    kv_cache_bytes: int = 0
+    """K/V memory budget of the slots when ``scheduler.max_batch`` is 0 (bytes); 0 takes the
+    device's default (``device_arrays``: 2 GiB on the host, a share of free memory on CUDA)."""
     store_read_threads: int = 4
     """Concurrent store lookups; never shared with publishes."""
     store_write_threads: int = 2
@@ -131,8 +133,9 @@ class Engine:
         self.store = store
         scheduling = options.scheduler
         if not scheduling.max_batch:
+            budget = options.kv_cache_bytes or session.device.default_kv_cache_bytes
             scheduling = replace(scheduling, max_batch=derived_max_batch(
-                spec.kv_bytes_per_token(session.kv_dtype.itemsize), spec.context_length, options.kv_cache_bytes))
+                spec.kv_bytes_per_token(session.kv_dtype.itemsize), spec.context_length, budget))
         self.request_observers: list[Callable[[RequestRecord], None]] = []
         """Called on the event loop once per request that ends."""
         pace = PrefillPace(options.leases.first_ms_per_token)
@@ -163,15 +166,26 @@ class Engine:
                  self.storage_dtype.name, spec.kv_bytes_per_token(self.storage_dtype.itemsize), session.kv_dtype.name)
         log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", scheduling.max_batch,
                  "one batched decode run per step" if self.slots.batched
-                 else "each row runs batch 1: no shared GQA past/present buffer in host memory for this graph",
+                 else "each row runs batch 1: this graph has no shared GQA past/present buffer",
                  scheduling.max_queued, scheduling.max_prefill_tokens_per_step)
+        log.info("K/V slots on %s (%s): %d x %d tokens, %d bytes", session.device_name, session.execution_provider,
+                 scheduling.max_batch, spec.context_length, self.slot_bytes)
+
+    @property
+    def slot_bytes(self) -> int:
+        """K/V memory of the slots when every one holds a whole context (bytes, the model's dtype)."""
+        spec = self.spec
+        return self.scheduler.options.max_batch * spec.context_length * spec.kv_bytes_per_token(
+            self.session.kv_dtype.itemsize)
 
     @classmethod
     def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
-             execution_provider: str = "auto", intra_op_threads: int = 0, intra_op_spinning: bool = False) -> Engine:
+             device: str | ArrayDevice = "auto", intra_op_threads: int = 0, intra_op_spinning: bool = False) -> Engine:
+        """``device``: ``--device`` (``device_choice``; a CUDA device that cannot be used raises
+        StartupError), or the arrays themselves."""
         spec = load_model_spec(model_dir)
-        session = DecoderSession(spec, execution_provider, intra_op_threads, intra_op_spinning)
-        encoder = EncoderSession(spec, execution_provider, intra_op_threads, intra_op_spinning) if spec.encoder else None
+        session = DecoderSession(spec, device, intra_op_threads, intra_op_spinning)
+        encoder = EncoderSession(spec, session.device, intra_op_threads, intra_op_spinning) if spec.encoder else None
         engine = cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
         try:
             engine.inputs.chat_template = load_chat_template(model_dir)

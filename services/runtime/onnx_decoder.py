@@ -18,15 +18,16 @@ from pathlib import Path
 import numpy as np
 
 from services.errors import ModelLoadError
+from services.runtime.device_arrays import ArrayDevice, aligned_zeros, open_device
+from services.runtime.device_choice import DeviceChoice
 from services.runtime.kv_cast import cast_into, converted
 from services.runtime.kv_layout import KVLayout
 from services.runtime.model_spec import ModelSpec
 from services.runtime.ort import onnxruntime as ort
+from services.runtime.placement import check_placement
 
 log = logging.getLogger(__name__)
 
-CPU = "CPUExecutionProvider"
-CUDA = "CUDAExecutionProvider"
 _ORT_TYPES = {
     "tensor(float)": np.float32,
     "tensor(float16)": np.float16,
@@ -55,20 +56,6 @@ class KVCache:
     """Encoder-decoder models: the cross-attention K/V inputs, in ``spec.encoder.cross_inputs`` order."""
 
 
-def aligned_zeros(shape: list[int], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
-    """Zeros whose data starts on an ``alignment``-byte boundary.
-
-    ONNX Runtime's CPU kernels read K/V faster from 64-byte aligned memory than from numpy's
-    default 16-byte alignment (measured: decode tokens/s). np.zeros maps fresh zero pages lazily,
-    so a large capacity costs nothing until it is written.
-    """
-    dtype = np.dtype(dtype)
-    count = int(np.prod(shape))
-    raw = np.zeros(count + alignment // dtype.itemsize, dtype=dtype)
-    offset = (-raw.ctypes.data % alignment) // dtype.itemsize
-    return raw[offset : offset + count].reshape(shape)
-
-
 def blocks_into(dest: np.ndarray, blocks: Sequence[np.ndarray], tokens: int) -> None:
     """Copies the first ``tokens`` tokens of canonical ``blocks`` (each ``[layers, 2, kv_heads,
     block_tokens, head]``, in any storage dtype) into ``dest`` ``[layers, 2, kv_heads, >= tokens,
@@ -82,39 +69,32 @@ def blocks_into(dest: np.ndarray, blocks: Sequence[np.ndarray], tokens: int) -> 
         offset += n
 
 
-def choose_providers(requested: str) -> list[str]:
-    """Execution providers for ``requested`` ("auto", "cpu" or "cuda"), best first."""
-    available = ort.get_available_providers()
-    if requested == "cpu":
-        return [CPU]
-    if requested == "cuda" and CUDA not in available:
-        raise ModelLoadError("execution provider 'cuda' requested but onnxruntime-gpu with CUDA is not installed")
-    return [CUDA, CPU] if CUDA in available else [CPU]
-
-
-def open_session(path: Path, execution_provider: str, intra_op_threads: int,
+def open_session(path: Path, device: ArrayDevice, intra_op_threads: int,
                  intra_op_spinning: bool = False) -> ort.InferenceSession:
-    """An ONNX Runtime session on the best available provider; raises ModelLoadError.
+    """An ONNX Runtime session on ``device``'s provider; raises ModelLoadError.
 
     ``intra_op_spinning`` False (the worker's default, ONNX Runtime's is True): idle intra-op
     threads sleep instead of spin-waiting for the next parallel section. Spinning saves a wake-up
     per section on cores the process owns; where replicas, Redis or other pods share the cores, a
-    spinning thread holds a core another process needs (docs/benchmarks.md, ``bench.burst``)."""
+    spinning thread holds a core another process needs (docs/benchmarks.md, ``bench.burst``).
+
+    On a device, where each node runs is recorded and checked (``placement.check_placement``):
+    a graph whose compute would run on the CPU is refused, never split silently across devices."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = intra_op_threads
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if intra_op_spinning else "0")
     options.log_severity_level = 3
+    on_device = device.kind != "cpu"
+    if on_device:
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     try:
-        return ort.InferenceSession(str(path), sess_options=options, providers=choose_providers(execution_provider))
+        session = ort.InferenceSession(str(path), sess_options=options, providers=device.providers)
     except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
             ort.capi.onnxruntime_pybind11_state.NoSuchFile, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as exc:
         raise ModelLoadError(f"{path}: ONNX Runtime cannot load it: {exc}") from exc
-
-
-def device_of(session: ort.InferenceSession) -> tuple[str, int]:
-    """Where the session keeps tensors. ONNX Runtime silently falls back to CPU when CUDA is listed
-    but no GPU can be used, so this asks the session, not the request."""
-    return ("cuda", 0) if session.get_providers()[0] == CUDA else ("cpu", 0)
+    if on_device:
+        check_placement(path, session.get_provider_graph_assignment_info(), device.providers[0][0])
+    return session
 
 
 def input_dtypes(session: ort.InferenceSession, path: Path) -> dict[str, np.dtype]:
@@ -128,12 +108,14 @@ def input_dtypes(session: ort.InferenceSession, path: Path) -> dict[str, np.dtyp
 class DecoderSession:
     """Runs a decoder on token ids after a cached past; knows nothing of requests or the network."""
 
-    def __init__(self, spec: ModelSpec, execution_provider: str = "auto", intra_op_threads: int = 0,
+    def __init__(self, spec: ModelSpec, device: str | ArrayDevice = "auto", intra_op_threads: int = 0,
                  intra_op_spinning: bool = False) -> None:
+        """``device``: the arrays the slots live in (``device_arrays``), or a ``--device`` text."""
         self.spec = spec
-        self._session = open_session(spec.onnx_path, execution_provider, intra_op_threads, intra_op_spinning)
+        self.device = open_device(DeviceChoice.parse(device)) if isinstance(device, str) else device
+        self._session = open_session(spec.onnx_path, self.device, intra_op_threads, intra_op_spinning)
         self.execution_provider = self._session.get_providers()[0]
-        self._device = device_of(self._session)
+        self._device = (self.device.kind, self.device.index)
         dtypes = input_dtypes(self._session, spec.onnx_path)
         self._check_names(dtypes)
         self.ids_dtype = dtypes[spec.input_ids_name]
@@ -149,9 +131,14 @@ class DecoderSession:
                  self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer)
 
     @property
+    def device_name(self) -> str:
+        """``cpu`` or ``cuda:N``: where the session runs and the slots live."""
+        return "cpu" if self.device.kind == "cpu" else f"cuda:{self.device.index}"
+
+    @property
     def on_host(self) -> bool:
         """Whether the session keeps tensors in host memory (CPU provider)."""
-        return self._device[0] == "cpu"
+        return self.device.kind == "cpu"
 
     def io_binding(self) -> ort.IOBinding:
         return self._session.io_binding()

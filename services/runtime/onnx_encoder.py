@@ -8,16 +8,18 @@ import threading
 import numpy as np
 
 from services.errors import InvalidRequest, ModelLoadError
+from services.runtime.device_arrays import ArrayDevice
 from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_decoder import input_dtypes, open_session
 
 
 class EncoderSession:
-    def __init__(self, spec: ModelSpec, execution_provider: str = "auto", intra_op_threads: int = 0,
+    def __init__(self, spec: ModelSpec, device: ArrayDevice, intra_op_threads: int = 0,
                  intra_op_spinning: bool = False) -> None:
+        """``device``: the decoder's (``DecoderSession.device``), so both share one stream and budget."""
         assert spec.encoder is not None, "an encoder-decoder model"
         self.spec = spec.encoder
-        self._session = open_session(self.spec.onnx_path, execution_provider, intra_op_threads, intra_op_spinning)
+        self._session = open_session(self.spec.onnx_path, device, intra_op_threads, intra_op_spinning)
         dtypes = input_dtypes(self._session, self.spec.onnx_path)
         if self.spec.input_name not in dtypes:
             raise ModelLoadError(f"{self.spec.onnx_path}: no input named {self.spec.input_name!r}")

@@ -2,15 +2,17 @@
 
 Two banks share one interface, chosen by what the graph allows:
 
-- ``SharedSlots`` (GroupQueryAttention with a shared past/present buffer, separate K/V tensors,
-  host memory): per layer one K and one V buffer ``[max_batch, kv_heads, max_seq, head]``, bound as
-  both past and present; a slot is one row. A decode step runs every decoding row in *one* model
+- ``SharedSlots`` (GroupQueryAttention with a shared past/present buffer, separate K/V tensors; on
+  any device): per layer one K and one V buffer ``[max_batch, kv_heads, max_seq, head]`` in the
+  session's arrays (``device_arrays``: numpy on the CPU, CuPy on CUDA), bound by pointer as both
+  past and present; a slot is one row. A decode step runs every decoding row in *one* model
   run (``seqlens_k`` per row, right-padded, from the attention mask). A prefill chunk runs batch 1
   on its own row (the operator refuses batch > 1 with several new tokens over a past); the row is
-  contiguous, so no copy is made. Cached blocks are copied straight into the row.
-- ``SequenceSlots`` (every other graph: the combined layout, standard-op attention, the
-  encoder-decoder decoder, and shared-buffer graphs on a device): each slot owns a ``KVCache`` and
-  every row runs batch 1, one after the other.
+  contiguous, so no copy is made. Cached blocks are copied straight into the row, and every copy
+  (in, out, within) moves exactly the tokens it needs, counted by the device's ``CopyCounter``.
+- ``SequenceSlots`` (graphs that cannot share a buffer: the combined layout, standard-op
+  attention, the encoder-decoder decoder): each slot owns a ``KVCache`` and every row runs batch
+  1, one after the other.
 
 Invariant of ``SharedSlots.decode``: a run covers rows ``0 .. hi`` where ``hi`` is one past the
 highest row decoding, so rows in that range that are not decoding (free, fetching, prefilling or
@@ -21,7 +23,7 @@ ignored. Slots are handed out lowest index first to keep ``hi`` small.
 One thread (the scheduler's) calls every method, with one exception: the function that
 ``receiver`` returns copies fetched blocks into a slot from a read thread while the slot fetches. That is
 safe because a fetching row's ``length`` is 0 until ``begin``: decode runs in flight write into
-its position 0 only, and ``begin`` (scheduler thread, between runs) copies block 0 again. A row
+its position 0 only, so the receiver leaves block 0 to ``begin`` (scheduler thread, between runs). A row
 lock makes ``release`` wait for a copy in progress and stops later ones, so a fetch that outlives
 its request never writes into the row's next owner.
 """
@@ -35,12 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.runtime.onnx_decoder import (
-    DecoderSession,
-    KVCache,
-    aligned_zeros,
-    blocks_into,
-)
+from services.runtime.device_arrays import HostCopy
+from services.runtime.onnx_decoder import DecoderSession, KVCache
 from services.runtime.ort import onnxruntime as ort
 
 
@@ -91,16 +89,21 @@ class SharedSlots(_Bank):
 
     def __init__(self, session: DecoderSession, max_batch: int, max_seq: int) -> None:
         spec = session.spec
-        assert session.shares_buffer and session.on_host and spec.encoder is None, "a host GQA shared-buffer graph"
+        assert session.shares_buffer and spec.encoder is None, "a GQA shared-buffer decoder-only graph"
         super().__init__(session, max_batch, max_seq)
-        # np.zeros maps pages lazily: memory is committed only as rows are written.
-        self._kv = aligned_zeros([spec.num_layers, 2, max_batch, spec.num_kv_heads, max_seq, spec.head_size],
-                                 session.kv_dtype)
+        self.device = device = session.device
+        self._kv = device.zeros([spec.num_layers, 2, max_batch, spec.num_kv_heads, max_seq, spec.head_size],
+                                session.kv_dtype)
         self._lengths = np.zeros(max_batch, dtype=np.int64)
         self._row_bytes = self._kv[0, 0, 0].nbytes
-        self._logits = np.empty((max_batch, 1, spec.vocab_size), dtype=session.logits_dtype)
+        self._logits = device.zeros(self._logits_shape(max_batch, 1), session.logits_dtype)
         self._decode_bindings: dict[int, ort.IOBinding] = {}
         self._row_locks = [threading.Lock() for _ in range(max_batch)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of K/V memory the bank holds (committed as rows are written, on the host)."""
+        return int(self._kv.nbytes)
 
     def release(self, slot: Slot) -> None:
         with self._row_locks[slot.index]:
@@ -109,145 +112,177 @@ class SharedSlots(_Bank):
 
     def receiver(self, slot: Slot) -> Callable[[int, np.ndarray], bool]:
         """Copies fetched block ``i`` (canonical, any storage dtype) into the slot's row, on a read
-        thread (see the module's invariant). Returns True for block 0 only: ``begin`` must be
-        given it, to copy it again over what decode runs in flight may have written."""
+        thread (see the module's invariant), except block 0: decode runs in flight may write the
+        row's position 0 until ``begin``, so it is kept (returns True) and copied by ``begin``
+        alone: every cached byte crosses once."""
         lock, row = self._row_locks[slot.index], self._kv[:, :, slot.index]
 
         def receive(i: int, block: np.ndarray) -> bool:
+            if i == 0:
+                return True
             n = block.shape[3]
             with lock:
                 if not slot.released:
-                    blocks_into(row[:, :, :, i * n : (i + 1) * n], [block], n)
-            return i == 0
+                    self.device.copy_in(row[:, :, :, i * n : (i + 1) * n], block)
+            return False
 
         return receive
 
+    def _blocks_into(self, slot: Slot, start: int, blocks: Sequence[np.ndarray], tokens: int) -> None:
+        """Copies the first ``tokens - start`` tokens of canonical ``blocks`` into the slot's row
+        from position ``start``: one copy per block, exactly the tokens used."""
+        row, offset = self._kv[:, :, slot.index], start
+        for block in blocks:
+            n = min(block.shape[3], tokens - offset)
+            if n <= 0:
+                break
+            self.device.copy_in(row[:, :, :, offset : offset + n], block[:, :, :, :n])
+            offset += n
+
     def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None) -> None:
-        """Fills the slot with the first ``tokens`` tokens of cached ``blocks``."""
+        """Fills the slot with the first ``tokens`` tokens of cached ``blocks`` (those a
+        ``receiver`` did not copy: block 0 of a streamed fetch, every block otherwise)."""
         assert cross_kv is None, "encoder-decoder models use SequenceSlots"
-        blocks_into(self._kv[:, :, slot.index], blocks, tokens)
+        self._blocks_into(slot, 0, blocks, tokens)
         self._set_length(slot, tokens)
 
-    def canonical(self, slot: Slot, start: int, end: int) -> np.ndarray:
-        """A copy of tokens ``start .. end`` of the slot, canonical ``[layers, 2, kv_heads, n, head]``."""
-        return np.ascontiguousarray(self._kv[:, :, slot.index, :, start:end])
+    def canonical(self, slot: Slot, start: int, end: int) -> HostCopy:
+        """Tokens ``start .. end`` of the slot on their way to the host, canonical
+        ``[layers, 2, kv_heads, n, head]``: exactly those tokens are copied."""
+        return self.device.copy_out(self._kv, (slice(None), slice(None), slot.index, slice(None), slice(start, end)))
 
     def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int) -> None:
         """Copies cached ``blocks`` (canonical, any storage dtype) after the slot's tokens, up to
         ``tokens`` in all (between runs, on the scheduler thread)."""
         assert tokens <= slot.capacity, "append past the slot's capacity"
-        blocks_into(self._kv[:, :, slot.index, :, slot.length : tokens], blocks, tokens - slot.length)
+        self._blocks_into(slot, slot.length, blocks, tokens)
         self._set_length(slot, tokens)
 
     def _set_length(self, slot: Slot, length: int) -> None:
         slot.length = length
         self._lengths[slot.index] = length
 
+    def _logits_shape(self, rows: int, n: int) -> list[int]:
+        vocab = self.session.spec.vocab_size
+        return [rows, n, vocab] if self.session.logits_rank == 3 else [rows, vocab]
+
+    def _bind(self, binding: ort.IOBinding, name: str, array, output: bool = False, first_row: int = 0,
+              shape: list[int] | None = None) -> None:
+        """Binds ``array`` (in the bank's array module) by pointer, from row ``first_row`` with
+        ``shape`` (default: its own)."""
+        device = self.device
+        pointer = device.pointer(array) + first_row * array[0].nbytes
+        bind = binding.bind_output if output else binding.bind_input
+        bind(name, device.kind, device.index, array.dtype.type, list(shape or array.shape), pointer)
+
     def _bind_rows(self, binding: ort.IOBinding, first: int, rows: int) -> None:
         """Binds rows ``first .. first + rows`` of every layer's K and V as both past and present."""
         spec, kv = self.session.spec, self._kv
         shape = [rows, spec.num_kv_heads, self.max_seq, spec.head_size]
-        element = self.session.kv_dtype.type
         for layer in range(spec.num_layers):
             for j in (0, 1):
-                pointer = kv[layer, j].ctypes.data + first * self._row_bytes
-                binding.bind_input(spec.kv.past[layer][j], "cpu", 0, element, shape, pointer)
-                binding.bind_output(spec.kv.present[layer][j], "cpu", 0, element, shape, pointer)
+                self._bind(binding, spec.kv.past[layer][j], kv[layer, j], first_row=first, shape=shape)
+                self._bind(binding, spec.kv.present[layer][j], kv[layer, j], output=True, first_row=first, shape=shape)
 
-    def _bind_inputs(self, binding: ort.IOBinding, ids: np.ndarray, lengths: np.ndarray) -> None:
+    def _bind_inputs(self, binding: ort.IOBinding, ids: np.ndarray, lengths: np.ndarray) -> list:
         """Token ids ``[rows, n]`` after ``lengths`` tokens per row: mask ones over each row's
-        past and new tokens (right-padded to the longest row), positions when the graph takes them."""
-        session, spec = self.session, self.session.spec
-        n = ids.shape[1]
-        binding.bind_cpu_input(spec.input_ids_name, ids.astype(session.ids_dtype, copy=False))
-        if session.mask_dtype is not None:
-            total = int(lengths.max()) + n
-            mask = (np.arange(total)[None, :] < (lengths + n)[:, None]).astype(session.mask_dtype)
-            binding.bind_cpu_input(spec.attention_mask_name, mask)
-        if session.pos_dtype is not None:
-            positions = (lengths[:, None] + np.arange(n)[None, :]).astype(session.pos_dtype)
-            binding.bind_cpu_input(spec.position_ids_name, positions)
+        past and new tokens (right-padded to the longest row), positions when the graph takes them.
+        Built where the session reads them: only ids and lengths cross to a device. Returns the
+        arrays bound, which must outlive the run."""
+        session, spec, device = self.session, self.session.spec, self.device
+        n, xp = ids.shape[1], device.xp
+        with device.scope():
+            bound = [device.asarray(ids.astype(session.ids_dtype, copy=False))]
+            rows = device.asarray(lengths)
+            if session.mask_dtype is not None:
+                total = int(lengths.max()) + n
+                bound.append((xp.arange(total)[None, :] < (rows + n)[:, None]).astype(session.mask_dtype))
+            if session.pos_dtype is not None:
+                bound.append((rows[:, None] + xp.arange(n)[None, :]).astype(session.pos_dtype))
+        names = [spec.input_ids_name]
+        names += [spec.attention_mask_name] if session.mask_dtype is not None else []
+        names += [spec.position_ids_name] if session.pos_dtype is not None else []
+        for name, array in zip(names, bound, strict=True):
+            self._bind(binding, name, array)
+        return bound
 
     def prefill(self, slot: Slot, token_ids: Sequence[int], all_positions: bool = False) -> np.ndarray:
         """Runs ``token_ids`` after the slot's tokens (batch 1, on its row); the last position's
-        logits ``[vocab]`` as float32 (``all_positions``: every position's, ``[n, vocab]``)."""
+        logits ``[vocab]`` as float32 (``all_positions``: every position's, ``[n, vocab]``). Only
+        the logits asked for come back from a device."""
         n = len(token_ids)
         assert slot.length + n <= slot.capacity, "prefill past the slot's capacity"
         binding = self.session.io_binding()
-        binding.bind_output(self.session.spec.logits_name, "cpu")
+        logits = self.device.zeros(self._logits_shape(1, n), self.session.logits_dtype)
+        self._bind(binding, self.session.spec.logits_name, logits, output=True)
         self._bind_rows(binding, slot.index, 1)
-        self._bind_inputs(binding, np.asarray([token_ids]), self._lengths[slot.index : slot.index + 1])
+        bound = self._bind_inputs(binding, np.asarray([token_ids]), self._lengths[slot.index : slot.index + 1])
         self.session.run_binding(binding)
-        logits = binding.get_outputs()[0].numpy()
+        del bound
         self._set_length(slot, slot.length + n)
-        return self.session.positions_logits(logits, n, all_positions)
+        wanted = logits[0] if all_positions or logits.ndim == 2 else logits[0, -1:]
+        return self.session.positions_logits(self.device.to_host(wanted), n, all_positions)
 
     def fork(self, source: Slot, targets: Sequence[Slot]) -> None:
         """Gives every target a copy of ``source``'s tokens: each row of the shared buffer is one
-        sequence's past, so samples and beams of one prompt each need their own (one copy per
-        layer for all targets)."""
-        self._copy_rows(source, targets, 0, source.length)
+        sequence's past, so samples and beams of one prompt each need their own."""
+        for target in targets:
+            self._copy_row(source, target, 0, source.length)
 
     def share(self, source: Slot, target: Slot, tokens: int) -> None:
         """Gives ``target``, which holds the first ``target.length`` of them already, ``source``'s
         first ``tokens`` tokens (two sequences whose prompts begin alike)."""
-        self._copy_rows(source, [target], target.length, tokens)
+        self._copy_row(source, target, target.length, tokens)
 
-    def _copy_rows(self, source: Slot, targets: Sequence[Slot], start: int, end: int) -> None:
+    def _copy_row(self, source: Slot, target: Slot, start: int, end: int) -> None:
+        """One plain slice per target (all layers at once), no gathered temporary."""
         assert start <= end <= source.length, "copies only tokens the source holds"
-        rows = [t.index for t in targets]
-        if len(rows) == 1:  # a plain slice, no gathered temporary: the common case of a shared prefix
-            self._kv[:, :, rows[0], :, start:end] = self._kv[:, :, source.index, :, start:end]
-        else:
-            self._kv[:, :, rows, :, start:end] = self._kv[:, :, source.index : source.index + 1, :, start:end]
-        for target in targets:
-            self._set_length(target, end)
+        span = slice(start, end)
+        self.device.copy_within(self._kv, (slice(None), slice(None), target.index, slice(None), span),
+                                (slice(None), slice(None), source.index, slice(None), span))
+        self._set_length(target, end)
 
     def reorder(self, slots: Sequence[Slot], parents: np.ndarray, shared: int) -> None:
         """Beam search: row ``slots[i]`` becomes a copy of row ``slots[parents[i]]`` (all hold the
         same number of tokens, the first ``shared`` of them identical in every row: the prompt).
-        One gather per layer over the rows whose parent is another row, and only their tokens past
+        One gather over the rows whose parent is another row, and only their tokens past
         ``shared``, never a loop over beams; the gather reads into a new array first, so a row that
         is both read and overwritten is safe."""
         moved = np.flatnonzero(parents != np.arange(len(slots)))
-        if not moved.size:
+        if not moved.size or slots[0].length <= shared:  # the first step: every row holds the prompt alone
             return
         rows = np.fromiter((s.index for s in slots), dtype=np.int64, count=len(slots))
-        n = slots[0].length
-        self._kv[:, :, rows[moved], :, shared:n] = self._kv[:, :, rows[parents[moved]], :, shared:n]
+        span = slice(shared, slots[0].length)
+        self.device.copy_within(self._kv, (slice(None), slice(None), rows[moved], slice(None), span),
+                                (slice(None), slice(None), rows[parents[moved]], slice(None), span))
 
     def _decode_binding(self, rows: int) -> ort.IOBinding:
         """The binding of rows ``0 .. rows``, K/V and logits bound once and kept."""
         binding = self._decode_bindings.get(rows)
         if binding is None:
             binding = self.session.io_binding()
-            spec = self.session.spec
-            if self.session.logits_rank == 3:
-                binding.bind_output(spec.logits_name, "cpu", 0, self._logits.dtype.type, [rows, 1, spec.vocab_size],
-                                    self._logits.ctypes.data)
-            else:
-                binding.bind_output(spec.logits_name, "cpu")
+            self._bind(binding, self.session.spec.logits_name, self._logits, output=True,
+                       shape=self._logits_shape(rows, 1))
             self._bind_rows(binding, 0, rows)
             self._decode_bindings[rows] = binding
         return binding
 
     def decode(self, slots: Sequence[Slot], tokens: Sequence[int]) -> np.ndarray:
         """One model run that feeds ``tokens[i]`` to ``slots[i]``; returns logits ``[len(slots), vocab]``
-        (float32) in the same order. Rows in range that are not in ``slots`` get a dummy token at
-        their own next position (see the module's invariant)."""
+        (float32) in the same order: only those rows come back from a device. Rows in range that
+        are not in ``slots`` get a dummy token at their own next position (see the module's invariant)."""
         index = np.fromiter((s.index for s in slots), dtype=np.int64, count=len(slots))
         assert all(s.length < s.capacity for s in slots), "decode past a slot's capacity"
         rows = int(index.max()) + 1
         ids = np.zeros((rows, 1), dtype=np.int64)
         ids[index, 0] = tokens
         binding = self._decode_binding(rows)
-        self._bind_inputs(binding, ids, self._lengths[:rows])
+        bound = self._bind_inputs(binding, ids, self._lengths[:rows])
         self.session.run_binding(binding)
-        if self.session.logits_rank == 3:
-            logits = self._logits[index, 0]
-        else:
-            out = binding.get_outputs()[0].numpy()
-            logits = out.reshape(rows, -1, out.shape[-1])[index, -1]
+        del bound
+        with self.device.scope():
+            picked = self._logits[self.device.asarray(index)]
+        logits = self.device.to_host(picked.reshape(len(slots), -1))
         for slot in slots:
             self._set_length(slot, slot.length + 1)
         return logits.astype(np.float32, copy=False)
@@ -271,8 +306,8 @@ class SequenceSlots(_Bank):
             slot.cache.cross = self.session.cross_values(cross_kv)
         slot.length = tokens
 
-    def canonical(self, slot: Slot, start: int, end: int) -> np.ndarray:
-        return self.session.to_canonical(slot.cache, end)[:, :, :, start:end]
+    def canonical(self, slot: Slot, start: int, end: int) -> HostCopy:
+        return HostCopy(self.session.to_canonical(slot.cache, end)[:, :, :, start:end])
 
     def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int) -> None:
         """The slot's tokens and then cached ``blocks``, up to ``tokens`` in all, in a new cache;
@@ -327,6 +362,6 @@ SlotBank = SharedSlots | SequenceSlots
 
 def open_slots(session: DecoderSession, max_batch: int, max_seq: int) -> SlotBank:
     """The bank that batches this graph best (see the module docstring)."""
-    if session.shares_buffer and session.on_host and session.spec.encoder is None:
+    if session.shares_buffer and session.spec.encoder is None:
         return SharedSlots(session, max_batch, max_seq)
     return SequenceSlots(session, max_batch, max_seq)

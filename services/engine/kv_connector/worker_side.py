@@ -183,8 +183,10 @@ class KVConnectorWorker:
         nbytes = (last - first) * size * self._kv_bytes_per_token
 
         def prepare() -> Callable[[], object]:
+            # The copy starts now (the slot is reused once the sequence ends); the write thread
+            # waits for it to land in host memory, then narrows and publishes.
             blocks = slots.canonical(seq.slot, first * size, last * size)
-            return lambda: publish(converted(blocks, self.storage_dtype))
+            return lambda: publish(converted(blocks.result(), self.storage_dtype))
 
         return self.writes.bounded(nbytes, prepare)
 
