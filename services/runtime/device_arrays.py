@@ -202,7 +202,7 @@ class CudaArrays:
         with self.scope():
             gathered = self.xp.ascontiguousarray(array[key])
             host = self._pinned(gathered.shape, gathered.dtype)
-            gathered.get(stream=self.stream, out=host)
+            gathered.get(stream=self.stream, out=host, blocking=False)
             done = self.stream.record()
         self.copied.add("out", host.nbytes)
         return HostCopy(host, done.synchronize)
@@ -245,6 +245,10 @@ def cuda_problem(index: int) -> str | None:
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return "this ONNX Runtime has no CUDA provider (install kvshare[gpu]: onnxruntime-gpu and CuPy)"
+    if hasattr(ort, "preload_dlls"):
+        # CUDA and cuDNN from NVIDIA's pip wheels where those are installed (a no-op where the
+        # system has them, as in the CUDA image): ONNX Runtime does not search site-packages itself.
+        ort.preload_dlls()
     try:
         import cupy
     except ImportError:
