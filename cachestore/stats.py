@@ -23,6 +23,8 @@ class CacheStats:
     """Blocks a lookup found missing while another worker held the lease on computing them."""
     blocks_received: int = 0
     """Of those, blocks that arrived while the lookup waited (the rest were computed here)."""
+    fetches_skipped: int = 0
+    """Prompt lookups not made because computing the cached run was expected faster."""
     bytes_read: int = 0
     bytes_sent: int = 0
     """Bytes of values sent to the store, including blocks it turned out to hold already."""

@@ -391,6 +391,7 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
     assert samples["kvshare_requests_running[]"] == 0 and samples["kvshare_requests_rejected_total[]"] == 0
     assert samples["kvshare_cache_breaker_open[('direction', 'reads')]"] == 0
     assert samples["kvshare_cache_blocks_written_total[]"] == 2
+    assert samples["kvshare_prefix_fetch_skipped_total[]"] == 0  # the CPU provider always fetches
     # The warm request had no new full block: it sends nothing (the cached ones are not sent again).
     assert samples["kvshare_cache_publish_bytes_total[]"] == stored_bytes
     assert samples["kvshare_inter_token_latency_seconds_count[]"] == 8  # one per gap: 4 in each request

@@ -37,6 +37,9 @@ _CACHE_COUNTERS = {
     "short_circuited": ("kvshare_cache_short_circuited", "Store operations skipped while a breaker was open."),
     "blocks_awaited": ("kvshare_cache_blocks_awaited", "Missing blocks another worker held the lease on computing."),
     "blocks_received": ("kvshare_cache_blocks_received", "Awaited blocks that arrived while waiting (not computed here)."),
+    "fetches_skipped": ("kvshare_prefix_fetch_skipped",
+                        "Prompts whose cached blocks were computed, not fetched: computing was expected faster "
+                        "(--prefix-fetch auto, on a device)."),
 }
 
 

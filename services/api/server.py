@@ -22,6 +22,7 @@ from services.api.method_handlers import add_generator_to_server
 from services.api.metrics import WorkerMetrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
+from services.engine.kv_connector.fetch_policy import PrefixFetch
 from services.engine.run_waits import LeaseOptions
 from services.engine.scheduler import SchedulerOptions
 from services.errors import StartupError
@@ -138,6 +139,7 @@ def load_engine(settings: Settings) -> Engine:
         max_prompt_bytes=settings.max_prompt_bytes, max_stop_strings=settings.max_stop_strings,
         max_stop_string_bytes=settings.max_stop_string_bytes, tokenizer_threads=settings.tokenizer_threads,
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms),
+        prefix_fetch=PrefixFetch(settings.prefix_fetch),
     )
     return Engine.load(settings.model, options, store, stats, settings.device, settings.intra_op_threads,
                        settings.intra_op_spinning)

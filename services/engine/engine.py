@@ -44,6 +44,7 @@ from services.engine.generation import (
 )
 from services.engine.input_processor import InputProcessor
 from services.engine.kv_connector.connector import ConnectorOptions, KVConnector
+from services.engine.kv_connector.fetch_policy import PrefixFetch
 from services.engine.off_loop import OffLoop
 from services.engine.output_processor import OutputProcessor, StreamEnd
 from services.engine.request_limits import limits_for
@@ -108,6 +109,9 @@ class EngineOptions:
     """Threads that render chat templates, tokenize and build stop automata, off the event loop."""
     leases: LeaseOptions = field(default_factory=LeaseOptions)
     """Fleet-wide single-flight: leases on computing uncached blocks, and how long to wait for them."""
+    prefix_fetch: PrefixFetch = PrefixFetch.AUTO
+    """``auto``: on a device, a prompt's cached run is computed instead of fetched when that is
+    expected faster (``kv_connector.fetch_policy``); ``always``: always fetched."""
 
 
 def derived_max_batch(kv_bytes_per_token: int, context_length: int, kv_cache_bytes: int) -> int:
@@ -146,8 +150,9 @@ class Engine:
                                          store_write_threads=options.store_write_threads,
                                          max_pending_publishes=options.max_pending_publishes,
                                          max_pending_publish_bytes=options.max_pending_publish_bytes,
-                                         leases=options.leases, chunk_tokens=scheduling.max_prefill_tokens_per_step),
-                                     pace)
+                                         leases=options.leases, chunk_tokens=scheduling.max_prefill_tokens_per_step,
+                                         prefix_fetch=options.prefix_fetch),
+                                     pace, on_device=not session.on_host)
         self.runner = ModelRunner(session, encoder, scheduling.max_batch, spec.context_length,
                                   self.connector.worker_side, pace, scheduling.max_unread_tokens)
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
@@ -164,6 +169,9 @@ class Engine:
         self.storage_dtype = self.connector.storage_dtype
         log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype; the model's own K/V is %s)",
                  self.storage_dtype.name, spec.kv_bytes_per_token(self.storage_dtype.itemsize), session.kv_dtype.name)
+        if options.prefix_fetch is PrefixFetch.AUTO and not session.on_host:
+            log.info("prefix fetch: a cached run expected faster to compute than to fetch is computed "
+                     "(--prefix-fetch auto, on a device)")
         log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", scheduling.max_batch,
                  "one batched decode run per step" if self.slots.batched
                  else "each row runs batch 1: this graph has no shared GQA past/present buffer",

@@ -174,5 +174,8 @@ class RequestRecord:
     timings: Timings
     read_cache: bool
     """Whether the prompt was looked up in the prefix cache (its tokens count as queries)."""
+    fetch_skipped: bool
+    """Whether the prompt's cached blocks were computed rather than fetched, computing being
+    expected faster (``--prefix-fetch auto``, on a device)."""
     token_times: list[float]
     """perf_counter() at which each generated token was sampled (the inter-token gaps)."""

@@ -152,7 +152,9 @@ class OutputProcessor:
                      "request_id": seq.request_id, "outcome": outcome, "prompt_tokens": u.prompt_tokens,
                      "cached_prompt_tokens": u.cached_prompt_tokens, "completion_tokens": u.completion_tokens,
                      "ttft_ms": round(t.time_to_first_token_ms, 1), "fetch_ms": round(t.cache_fetch_ms, 1),
-                     "prefill_ms": round(t.prefill_ms, 1),
+                     "prefill_ms": round(t.prefill_ms, 1), "fetch_skipped": seq.kv.fetch_skipped,
                      "total_ms": round(total_s * 1e3, 1),
                  }})
-        return RequestRecord(seq.request_id, outcome, total_s, u, t, not seq.kv.cache.skip_read, seq.token_times)
+        kv = seq.kv  # a skipped fetch looked nothing up: its tokens are no queries
+        return RequestRecord(seq.request_id, outcome, total_s, u, t, not (kv.cache.skip_read or kv.fetch_skipped),
+                             kv.fetch_skipped, seq.token_times)

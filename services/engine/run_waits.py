@@ -78,14 +78,15 @@ class PrefillPace:
 
     def __init__(self, first_ms_per_token: float) -> None:
         self.ms_per_token = first_ms_per_token
-        self._measured = False
+        self.observations = 0
+        """Chunks measured so far (0: ``ms_per_token`` is still the assumed first pace)."""
 
     def observe(self, tokens: int, ms: float) -> None:
         if tokens <= 0:
             return
         pace = ms / tokens
-        self.ms_per_token = pace if not self._measured else self.ms_per_token + self.WEIGHT * (pace - self.ms_per_token)
-        self._measured = True
+        self.ms_per_token = pace if not self.observations else self.ms_per_token + self.WEIGHT * (pace - self.ms_per_token)
+        self.observations += 1
 
     def expected_ms(self, tokens: int) -> float:
         return tokens * self.ms_per_token

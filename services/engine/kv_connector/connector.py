@@ -12,6 +12,11 @@ from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from services.engine.generation import CacheControl
+from services.engine.kv_connector.fetch_policy import (
+    FetchPolicy,
+    PrefixFetch,
+    StoreRate,
+)
 from services.engine.kv_connector.publish_queue import PublishQueue
 from services.engine.kv_connector.scheduler_side import KVConnectorScheduler
 from services.engine.kv_connector.state import SequenceKV
@@ -36,6 +41,9 @@ class ConnectorOptions:
     leases: LeaseOptions
     chunk_tokens: int
     """Prompt tokens prefilled per step: one chunk, what a waiter weighs against waiting."""
+    prefix_fetch: PrefixFetch
+    """Whether a prompt's cached run may be computed instead of fetched when that is expected
+    faster (``fetch_policy``)."""
 
 
 class KVConnector:
@@ -43,7 +51,9 @@ class KVConnector:
     two faces the scheduler and the runner use; the engine uses the rest."""
 
     def __init__(self, spec: ModelSpec, model_kv_dtype: np.dtype, cross_heads: int, storage_dtype: np.dtype,
-                 store: KVStore, cache_stats: CacheStats, options: ConnectorOptions, pace: PrefillPace) -> None:
+                 store: KVStore, cache_stats: CacheStats, options: ConnectorOptions, pace: PrefillPace,
+                 on_device: bool) -> None:
+        """``on_device``: the decoder runs on a device, not the CPU provider (``FetchPolicy.on_device``)."""
         self.spec = spec
         self.options = options
         self.storage_dtype = storage_dtype
@@ -56,9 +66,12 @@ class KVConnector:
                                    options.max_pending_publish_bytes, cache_stats)
         leases = options.leases
         self.waits = RunWaits(leases.poll_ms, store.notices if leases.enabled else None)
+        # What crosses the wire is the storage dtype's K/V, not the model's.
+        fetch_policy = FetchPolicy(options.prefix_fetch, on_device, pace, StoreRate(),
+                                   spec.kv_bytes_per_token(storage_dtype.itemsize), options.block_size)
         self.scheduler_side = KVConnectorScheduler(
             self.prefix, cross, (spec.num_layers, cross_heads, spec.head_size), store, cache_stats, leases,
-            options.chunk_tokens, pace, self.waits, self.writes)
+            options.chunk_tokens, pace, self.waits, self.writes, fetch_policy)
         self.worker_side = KVConnectorWorker(
             self.prefix, cross, store, cache_stats, storage_dtype, spec.kv_bytes_per_token(model_kv_dtype.itemsize),
             self.writes)

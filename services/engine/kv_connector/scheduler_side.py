@@ -26,6 +26,7 @@ from cachestore.prefix import PrefixLookup, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from services.engine.kv_connector import in_worker
+from services.engine.kv_connector.fetch_policy import FetchPolicy, LookupClock
 from services.engine.kv_connector.publish_queue import PublishQueue, after
 from services.engine.kv_connector.state import Ahead, Trail, cached_tokens
 from services.engine.leases import Claim, HeldLeases, Tokens
@@ -51,7 +52,7 @@ class KVConnectorScheduler:
 
     def __init__(self, prefix: PrefixStore, cross: CrossStore, cross_shape: tuple[int, int, int], store: KVStore,
                  cache_stats: CacheStats, leases: LeaseOptions, chunk_tokens: int, pace: PrefillPace,
-                 waits: RunWaits, writes: PublishQueue) -> None:
+                 waits: RunWaits, writes: PublishQueue, fetch_policy: FetchPolicy) -> None:
         self.prefix = prefix
         self.cross = cross
         self._cross_shape = cross_shape
@@ -64,6 +65,8 @@ class KVConnectorScheduler:
         self.pace = pace
         self.waits = waits
         self.writes = writes
+        self.fetch_policy = fetch_policy
+        """Whether a prompt's cached run is fetched or computed; fed by every lookup's timing."""
         self.tokens = Tokens(uuid.uuid4().hex.encode())
         """Lease tokens: this worker, and which of its rows holds a lease."""
         self._lock = threading.Lock()
@@ -77,15 +80,22 @@ class KVConnectorScheduler:
         encoder input's cross K/V (none when the request skips reading); sets ``seq.prefilled``
         and its usage. When another worker holds the lease on the prompt's first missing blocks,
         returns False and waits for them on the waits' thread, calling ``done`` at the end; else
-        returns True."""
+        returns True. A prompt whose run the fetch policy expects faster to compute than to
+        fetch reads none of it and takes or waits on no lease (``SequenceKV.fetch_skipped``)."""
         t = time.perf_counter()
         kv = seq.kv
-        if kv.cache.skip_read:
+        kv.fetch_skipped = not kv.cache.skip_read and not self.fetch_policy.fetches(len(seq.prompt))
+        if kv.fetch_skipped:
+            self.cache_stats.add(fetches_skipped=1)
+        if kv.cache.skip_read or kv.fetch_skipped:
             kv.lookup = PrefixLookup(hashes=self.prefix.hashes(kv.namespace, seq.prompt), blocks=[])
         else:
-            kv.lookup = self.prefix.lookup(kv.namespace, seq.prompt, receiver)
-            if kv.encoder_hash is not None:
-                kv.cross_kv = self.cross.get(kv.encoder_hash, *self._cross_shape)
+            clock = LookupClock(receiver)
+            kv.lookup = self.prefix.lookup(kv.namespace, seq.prompt, clock.into)
+            self.fetch_policy.observe(clock, kv.lookup.hit_blocks)
+        # The policy weighs the decoder prompt's blocks only: an encoder input's cross K/V is one value.
+        if not kv.cache.skip_read and kv.encoder_hash is not None:
+            kv.cross_kv = self.cross.get(kv.encoder_hash, *self._cross_shape)
         claim, holder, key = self._claim(seq, receiver)
         # A row of this worker that has already published part of the prompt may finish, freeing
         # the slot this row would copy from, before this row's first step: then its blocks are
@@ -226,7 +236,7 @@ class KVConnectorScheduler:
         release, so the lookup reads on once before this sequence computes them again."""
         kv = seq.kv
         hashes, size = kv.lookup.hashes, kv.namespace.block_size
-        if not self.leases.enabled or kv.cache.skip_read or kv.cache.skip_write:
+        if not self.leases.enabled or kv.cache.skip_read or not kv.publishes_prompt:
             return Claim.NONE, None, None
         while kv.lookup.hit_blocks < len(hashes):
             hit = kv.lookup.hit_blocks

@@ -96,3 +96,14 @@ class SequenceKV:
     done (or it ends)."""
     trail: Trail | None = None
     """Set when its wait for another worker's blocks ended early (see ``Trail``)."""
+    fetch_skipped: bool = False
+    """Its prompt's cached run was expected faster to compute than to fetch (``fetch_policy``):
+    it read, claimed and waited for none of it, and publishes none of its prompt. The store
+    refuses a block it holds only once the block has crossed the wire (set-if-absent), so
+    publishing a run the store holds costs what fetching it would have; a prompt the store lacks
+    gets there with the fetches that still happen (``fetch_policy``'s probes, other workers)."""
+
+    @property
+    def publishes_prompt(self) -> bool:
+        """Whether the prompt's blocks this row computes go to the store."""
+        return not (self.cache.skip_write or self.fetch_skipped)

@@ -79,7 +79,7 @@ class KVConnectorWorker:
         up to there): tokens neither computed nor fetched again, counted as cached. Returns how
         many tokens came."""
         slots.share(row.slot, seq.slot, tokens)
-        if not row.kv.cache.skip_write:  # the row (or the store) has those blocks published
+        if row.kv.publishes_prompt:  # the row (or the store) has those blocks published
             seq.kv.published_blocks = max(seq.kv.published_blocks, tokens // seq.kv.namespace.block_size)
         return self._copied(seq, tokens, began)
 
@@ -128,7 +128,7 @@ class KVConnectorWorker:
         last = min(len(hashes), seq.prefilled // size)
         lease, earlier = kv.lease, kv.publishing
         prompt_done = seq.prefilled == len(seq.prompt)
-        if kv.cache.skip_write or last <= first:
+        if not kv.publishes_prompt or last <= first:
             if prompt_done:
                 release_leases([seq], self.writes)
             return
