@@ -220,7 +220,7 @@ def test_prefix_fetch_flag_and_environment():
 
 
 def test_the_setting_reaches_the_engine(tiny_model):
-    engine = load_engine(Settings(model=tiny_model, prefix_fetch="always", execution_provider="cpu"))
+    engine = load_engine(Settings(model=tiny_model, prefix_fetch="always", device="cpu"))
     try:
         assert engine.connector.scheduler_side.fetch_policy.mode is PrefixFetch.ALWAYS
     finally:
