@@ -54,6 +54,14 @@ class Lifecycle:
         """``seq`` has new output (or ended): its consumer is woken at the next ``deliver``."""
         self._touched[id(seq)] = seq
 
+    def fetched(self, seq: Sequence) -> None:
+        """``seq``'s fetch (its lookup, its waits, its encoder run) has ended: unless it ended
+        meanwhile, it prefills from the next step on (any thread)."""
+        with self.cond:
+            if seq.phase is Phase.FETCHING:
+                seq.phase = Phase.PREFILLING
+            self.cond.notify()
+
     def finish(self, seq: Sequence) -> None:
         """Frees the sequence's slot (lock held or scheduler thread)."""
         if seq.slot is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Protocol
 
 import numpy as np
@@ -38,7 +39,9 @@ log = logging.getLogger(__name__)
 class KVTransfer(Protocol):
     """What the runner asks of the KV connector's worker side (``KVConnectorWorker``)."""
 
-    def load(self, seq: Sequence, slots: SlotBank, encode: Callable[[], np.ndarray] | None) -> None: ...
+    def load(self, seq: Sequence, slots: SlotBank) -> None: ...
+
+    def encode(self, seq: Sequence, encode: Callable[[], np.ndarray]) -> Future: ...
 
     def share(self, seq: Sequence, row: Sequence, tokens: int, slots: SlotBank, began: float) -> int: ...
 
@@ -70,6 +73,14 @@ class ModelRunner:
     def receiver(self, seq: Sequence) -> Callable[[int, np.ndarray], bool] | None:
         """Copies block i of a lookup into ``seq``'s slot as it arrives (``SlotBank.receiver``)."""
         return self.slots.receiver(seq.slot)
+
+    def encoder_for(self, seq: Sequence) -> Callable[[], np.ndarray] | None:
+        """Runs the encoder on ``seq``'s input: its cross K/V in the model's K/V dtype; None for a
+        decoder-only model. Called on the KV connector's encoder thread, never on this one (the
+        session is the runner's all the same: nothing else runs it)."""
+        if seq.encoder_input is None:
+            return None
+        return lambda: self.encoder.run(seq.encoder_input).astype(self.session.kv_dtype, copy=False)
 
     def execute(self, plan: StepPlan) -> None:
         """Copies shared prefixes, runs the decode batch, then the prefill chunks; each finished
@@ -134,15 +145,11 @@ class ModelRunner:
         return [seq, *followers]
 
     def _assemble(self, seq: Sequence) -> None:
-        """Puts the sequence's cached blocks (and cross K/V, running the encoder on a miss) into its
-        slot, once."""
+        """Puts the sequence's cached blocks (and cross K/V, found or encoded before the sequence
+        left its fetch) into its slot, once."""
         if seq.assembled or seq.done:
             return
-        encode = None
-        if seq.encoder_input is not None:
-            def encode() -> np.ndarray:
-                return self.encoder.run(seq.encoder_input).astype(self.session.kv_dtype, copy=False)
-        self.kv.load(seq, self.slots, encode)
+        self.kv.load(seq, self.slots)
         seq.assembled = True
 
     def _share(self, seq: Sequence, row: Sequence, tokens: int) -> None:
@@ -258,9 +265,14 @@ class ModelRunner:
     def _non_finite(self, seq: Sequence) -> None:
         """NaN or infinite logits. At the first token over K/V from elsewhere, that K/V is the
         suspect: the connector drops it and the prompt is computed again from its first token (the
-        client has seen nothing yet). Otherwise the model itself failed: this request fails."""
+        client has seen nothing yet), after the encoder input is encoded again on the encoder
+        thread, the row fetching meanwhile. Otherwise the model itself failed: this request fails."""
         if seq.generated == 0 and self.kv.distrust(seq):
             seq.assembled = False
+            encode = self.encoder_for(seq)
+            if encode is not None:  # its cross K/V is computed again first, off this thread
+                seq.phase = Phase.FETCHING
+                self.kv.encode(seq, encode).add_done_callback(lambda _: self.lifecycle.fetched(seq))
             return
         self.lifecycle.fail_all([seq], NumericalError(
             f"the model produced NaN or infinite logits at generated token {seq.generated + 1}; "

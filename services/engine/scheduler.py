@@ -15,8 +15,9 @@ Admission is decided at the door, synchronously: a free slot is taken at once, e
 waits in a queue of at most ``max_queued``; past that ``Overloaded`` is raised before any work is
 done. The queue is served in order, except that a request needing more rows than are free lets
 up to ``max_batch`` later ones that fit go first (``_admittable``). Store lookups run on the read
-threads (the KV connector's scheduler side), never on this thread; the connector also says which
-rows copy their prefix from another row or wait for another worker's blocks this step.
+threads and encoder runs on the encoder thread (the KV connector's scheduler side), never on this
+thread: a row is planned once its fetch has ended. The connector also says which rows copy their
+prefix from another row or wait for another worker's blocks this step.
 
 A request with n samples or beams is admitted as one group of rows, all at once or not at all.
 Its leader fetches and prefills; when the prompt is done its K/V is copied into the followers'
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Protocol
+
+import numpy as np
 
 from services.engine.lifecycle import wake_consumers
 from services.engine.runner import ModelRunner
@@ -63,9 +66,12 @@ class SchedulerOptions:
 class PrefixSources(Protocol):
     """What the scheduler asks of the KV connector's scheduler side (``KVConnectorScheduler``)."""
 
-    def fetch(self, seq: Sequence, receiver: Callable | None, done: Callable[[], None]) -> bool:
-        """On a read thread: the store lookup. Returns True when it is complete; False when it goes
-        on elsewhere (waiting for another worker's blocks), then ``done`` is called once it is."""
+    def fetch(self, seq: Sequence, receiver: Callable | None, done: Callable[[], None],
+              encode: Callable[[], np.ndarray] | None) -> bool:
+        """On a read thread: the store lookup, and for encoder-decoder models the cross K/V
+        (``encode`` runs the encoder on a miss, off this thread and the scheduler's). Returns True
+        when it is complete; False when it goes on elsewhere (waiting for another worker's blocks,
+        or for the encoder), then ``done`` is called once it is."""
 
     def plan_share(self, seq: Sequence, active: list[Sequence], plan: StepPlan, stats: SchedulerStats) -> int | None:
         """The prompt tokens ``seq`` holds once this step's copies from other rows are done, or
@@ -195,7 +201,8 @@ class Scheduler:
 
     def _fetch(self, seq: Sequence) -> None:
         try:
-            complete = self.sources.fetch(seq, self.runner.receiver(seq), lambda: self._fetched(seq))
+            complete = self.sources.fetch(seq, self.runner.receiver(seq), lambda: self.life.fetched(seq),
+                                          self.runner.encoder_for(seq))
         except BaseException as exc:  # noqa: BLE001 - the connector degrades store errors itself; anything else fails this sequence
             with self.life.cond:
                 self.life.fail(seq, exc)
@@ -203,13 +210,7 @@ class Scheduler:
             wake_consumers([seq])
             return
         if complete:
-            self._fetched(seq)
-
-    def _fetched(self, seq: Sequence) -> None:
-        with self.life.cond:
-            if seq.phase is Phase.FETCHING:
-                seq.phase = Phase.PREFILLING
-            self.life.cond.notify()
+            self.life.fetched(seq)
 
     def schedule(self) -> StepPlan:
         """Reaps aborted sequences, hands free slots to the queue, and decides the next step (lock held)."""

@@ -30,7 +30,8 @@ class Phase(Enum):
     QUEUED = "queued"
     """Admitted; waiting for a free slot."""
     FETCHING = "fetching"
-    """Holds a slot; its store lookup runs on a read thread."""
+    """Holds a slot; its store lookup runs on a read thread (and, for an encoder-decoder model on a
+    cross K/V miss, its encoder run on the encoder thread)."""
     PREFILLING = "prefilling"
     """Its uncached prompt runs on its own row, in chunks under the per-step token budget."""
     WAITING = "waiting"

@@ -1,4 +1,5 @@
-"""One engine's KV connector: both sides over one store, one publish queue and one waits' thread."""
+"""One engine's KV connector: both sides over one store, one publish queue, one waits' thread and
+one encoder thread."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from services.engine.kv_connector.fetch_policy import (
     PrefixFetch,
     StoreRate,
 )
+from services.engine.kv_connector.encoder_runs import EncoderRuns
 from services.engine.kv_connector.publish_queue import PublishQueue
 from services.engine.kv_connector.scheduler_side import KVConnectorScheduler
 from services.engine.kv_connector.state import SequenceKV
@@ -66,15 +68,16 @@ class KVConnector:
                                    options.max_pending_publish_bytes, cache_stats)
         leases = options.leases
         self.waits = RunWaits(leases.poll_ms, store.notices if leases.enabled else None)
+        self.encodes = EncoderRuns()
         # What crosses the wire is the storage dtype's K/V, not the model's.
         fetch_policy = FetchPolicy(options.prefix_fetch, on_device, pace, StoreRate(),
                                    spec.kv_bytes_per_token(storage_dtype.itemsize), options.block_size)
         self.scheduler_side = KVConnectorScheduler(
             self.prefix, cross, (spec.num_layers, cross_heads, spec.head_size), store, cache_stats, leases,
-            options.chunk_tokens, pace, self.waits, self.writes, fetch_policy)
+            options.chunk_tokens, pace, self.waits, self.writes, fetch_policy, self.encodes)
         self.worker_side = KVConnectorWorker(
             self.prefix, cross, store, cache_stats, storage_dtype, spec.kv_bytes_per_token(model_kv_dtype.itemsize),
-            self.writes)
+            self.writes, self.encodes)
 
     def namespace(self, salt: str, encoder_input: BlockHash | None = None, tenant: str = "") -> Namespace:
         """Everything this worker's prefix K/V depends on besides the tokens (docs/design.md, invariant 2):
@@ -108,6 +111,8 @@ class KVConnector:
         await self.writes.drained()
 
     def close(self) -> None:
-        """Finishes the writes, then closes the store (after the waits and the scheduler have stopped)."""
+        """Ends the encoder runs, finishes the writes, then closes the store (after the waits and
+        the scheduler have stopped)."""
+        self.encodes.close()
         self.writes.close()
         self.store.close()

@@ -2,7 +2,7 @@
 when. Three sources, each bounded by what computing would cost:
 
 - the store: a lookup on a read thread (the longest cached run of blocks, copied into the slot as
-  it arrives, and an encoder input's cross K/V);
+  it arrives, and an encoder input's cross K/V, computed on the encoder thread on a miss);
 - another worker computing the same blocks: the fleet's lease (``services.engine.leases``); the
   row waits on the waits' thread (``services.engine.run_waits``) and, after giving up, follows
   the holder on a ``Trail``;
@@ -26,6 +26,7 @@ from cachestore.prefix import PrefixLookup, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from services.engine.kv_connector import in_worker
+from services.engine.kv_connector.encoder_runs import Encode, EncoderRuns
 from services.engine.kv_connector.fetch_policy import FetchPolicy, LookupClock
 from services.engine.kv_connector.publish_queue import PublishQueue, after
 from services.engine.kv_connector.state import Ahead, Trail, cached_tokens
@@ -52,7 +53,7 @@ class KVConnectorScheduler:
 
     def __init__(self, prefix: PrefixStore, cross: CrossStore, cross_shape: tuple[int, int, int], store: KVStore,
                  cache_stats: CacheStats, leases: LeaseOptions, chunk_tokens: int, pace: PrefillPace,
-                 waits: RunWaits, writes: PublishQueue, fetch_policy: FetchPolicy) -> None:
+                 waits: RunWaits, writes: PublishQueue, fetch_policy: FetchPolicy, encodes: EncoderRuns) -> None:
         self.prefix = prefix
         self.cross = cross
         self._cross_shape = cross_shape
@@ -67,6 +68,7 @@ class KVConnectorScheduler:
         self.writes = writes
         self.fetch_policy = fetch_policy
         """Whether a prompt's cached run is fetched or computed; fed by every lookup's timing."""
+        self.encodes = encodes
         self.tokens = Tokens(uuid.uuid4().hex.encode())
         """Lease tokens: this worker, and which of its rows holds a lease."""
         self._lock = threading.Lock()
@@ -74,15 +76,36 @@ class KVConnectorScheduler:
         """Leases of other workers that a row of this one waits on, with that row and how many
         blocks it awaits (under ``_lock``)."""
 
-    def fetch(self, seq: Sequence, receiver: Receiver, done: Callable[[], None]) -> bool:
+    def fetch(self, seq: Sequence, receiver: Receiver, done: Callable[[], None], encode: Encode | None) -> bool:
         """On a read thread: the prompt's cached run of blocks, copied into the sequence's slot as
-        they arrive where the slots allow it (``receiver``), and, for encoder-decoder models, the
-        encoder input's cross K/V (none when the request skips reading); sets ``seq.prefilled``
-        and its usage. When another worker holds the lease on the prompt's first missing blocks,
-        returns False and waits for them on the waits' thread, calling ``done`` at the end; else
-        returns True. A prompt whose run the fetch policy expects faster to compute than to
-        fetch reads none of it and takes or waits on no lease (``SequenceKV.fetch_skipped``)."""
+        they arrive where the slots allow it (``receiver``), and, for encoder-decoder models
+        (``encode`` given), the encoder input's cross K/V: from the store unless the request skips
+        reading, else computed by ``encode`` on the encoder thread (``EncoderRuns``) while the
+        blocks are looked up. Sets ``seq.prefilled`` and its usage. Returns True when all of it
+        is there; False when it goes on elsewhere (the encoder runs, or another worker holds the
+        lease on the prompt's first missing blocks, which are waited for on the waits' thread):
+        then ``done`` is called once every part has ended. A prompt whose run the fetch policy
+        expects faster to compute than to fetch reads none of it and takes or waits on no lease
+        (``SequenceKV.fetch_skipped``); the policy weighs the decoder prompt's blocks only (an
+        encoder input's cross K/V is one value)."""
         t = time.perf_counter()
+        kv = seq.kv
+        if encode is not None and not kv.cache.skip_read:
+            kv.cross_kv = self.cross.get(kv.encoder_hash, *self._cross_shape)
+        if encode is None or kv.cross_kv is not None:
+            return self._fetch_blocks(seq, receiver, done, t)
+        encoding = self.encodes.start(seq, encode)
+
+        def fetched() -> None:  # the blocks are there: done once the encoder's run has ended too
+            encoding.add_done_callback(lambda _: done())
+
+        if self._fetch_blocks(seq, receiver, fetched, t):
+            fetched()
+        return False
+
+    def _fetch_blocks(self, seq: Sequence, receiver: Receiver, done: Callable[[], None], t: float) -> bool:
+        """The prompt's blocks (``fetch``), from ``t`` (perf_counter) on: True when the lookup is
+        complete, False when it waits for another worker's blocks and calls ``done`` at the end."""
         kv = seq.kv
         kv.fetch_skipped = not kv.cache.skip_read and not self.fetch_policy.fetches(len(seq.prompt))
         if kv.fetch_skipped:
@@ -93,9 +116,6 @@ class KVConnectorScheduler:
             clock = LookupClock(receiver)
             kv.lookup = self.prefix.lookup(kv.namespace, seq.prompt, clock.into)
             self.fetch_policy.observe(clock, kv.lookup.hit_blocks)
-        # The policy weighs the decoder prompt's blocks only: an encoder input's cross K/V is one value.
-        if not kv.cache.skip_read and kv.encoder_hash is not None:
-            kv.cross_kv = self.cross.get(kv.encoder_hash, *self._cross_shape)
         claim, holder, key = self._claim(seq, receiver)
         # A row of this worker that has already published part of the prompt may finish, freeing
         # the slot this row would copy from, before this row's first step: then its blocks are

@@ -2,9 +2,9 @@
 
 The scheduler, the runner and the output side never read these fields; they belong to the
 connector (``services.engine.kv_connector``), which creates one ``SequenceKV`` per row. The read
-threads write ``lookup``, ``cross_kv`` and ``lease`` during the fetch, before the row's first step;
-from then on the scheduler thread owns them (the waits' thread fills a ``Trail``'s look into a
-future of its own).
+threads write ``lookup``, ``cross_kv``, ``encoding`` and ``lease`` during the fetch, before the
+row's first step; from then on the scheduler thread owns them (the waits' thread fills a
+``Trail``'s look, and the encoder thread an ``encoding``, into a future of its own).
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ class SequenceKV:
     """The prompt's block hashes and the cached run found (set by the fetch)."""
     cross_kv: np.ndarray | None = None
     """Encoder-decoder models: cross K/V found in the store, until copied into the slot."""
+    encoding: Future | None = None
+    """Encoder-decoder models, on a cross K/V miss: the encoder's run on the encoder thread
+    (``EncoderRuns``), until its cross K/V is copied into the slot and published. The row is not
+    assembled before it is done."""
     published_blocks: int = 0
     """Prompt blocks in the store or on their way there (found, published, or held by the row
     they were copied from): each chunk publishes the full blocks past these."""

@@ -25,6 +25,7 @@ from cachestore.prefix import PrefixLookup, PrefixStore
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
+from services.engine.kv_connector.encoder_runs import Encode, EncoderRuns
 from services.engine.kv_connector.publish_queue import PublishQueue, after
 from services.engine.kv_connector.scheduler_side import release_leases
 from services.engine.kv_connector.state import Ahead
@@ -42,7 +43,8 @@ class KVConnectorWorker:
     """Block copies into and out of slots, and the publishes they feed (scheduler thread)."""
 
     def __init__(self, prefix: PrefixStore, cross: CrossStore, store: KVStore, cache_stats: CacheStats,
-                 storage_dtype: np.dtype, kv_bytes_per_token: int, writes: PublishQueue) -> None:
+                 storage_dtype: np.dtype, kv_bytes_per_token: int, writes: PublishQueue,
+                 encodes: EncoderRuns) -> None:
         self.prefix = prefix
         self.cross = cross
         self.store = store
@@ -51,16 +53,19 @@ class KVConnectorWorker:
         self._kv_bytes_per_token = kv_bytes_per_token
         """Bytes of one token's K/V in the slots (the model's own dtype): what a copy holds."""
         self.writes = writes
+        self.encodes = encodes
 
-    def load(self, seq: Sequence, slots: SlotBank, encode: Callable[[], np.ndarray] | None) -> None:
+    def load(self, seq: Sequence, slots: SlotBank) -> None:
         """Copies the cached blocks the fetch kept (all, or block 0: see ``SlotBank.receiver``)
         into the sequence's slot and, for encoder-decoder models, its cross K/V: from the store,
-        or ``encode()`` on a miss (then published, unless the request skips writing)."""
+        or, on a miss, from the encoder's run, which has ended (``SequenceKV.encoding``): its
+        error fails this request here, its cross K/V is published unless the request skips
+        writing."""
         t = time.perf_counter()
         kv = seq.kv
         cross = kv.cross_kv
-        if encode is not None and cross is None:
-            cross = encode()
+        if kv.encoding is not None:
+            cross = kv.encoding.result()
             if not kv.cache.skip_write:
                 input_hash, computed = kv.encoder_hash, cross
 
@@ -71,8 +76,13 @@ class KVConnectorWorker:
         slots.begin(seq.slot, kv.lookup.blocks, seq.prefilled, cross)
         # The fetched values are in the slot now; do not hold them for the whole decode.
         kv.lookup.release()
-        kv.cross_kv = None
+        kv.cross_kv = kv.encoding = None
         seq.timings.cache_fetch_ms += (time.perf_counter() - t) * 1e3
+
+    def encode(self, seq: Sequence, encode: Encode) -> Future:
+        """Computes the sequence's cross K/V again on the encoder thread (its cross K/V was dropped
+        by ``distrust``); returns the run, which ``load`` takes once it is done."""
+        return self.encodes.start(seq, encode)
 
     def share(self, seq: Sequence, row: Sequence, tokens: int, slots: SlotBank, began: float) -> int:
         """Copies ``row``'s first ``tokens`` tokens into ``seq``'s slot (both hold the same prompt
@@ -195,8 +205,9 @@ class KVConnectorWorker:
         can still be forged; if any of this request's K/V came from the store or from another
         row, the values it read and the blocks it published over them are deleted (off the token
         path, after its publishes in flight), counted as ``bad_output``, and the request
-        computes its whole prompt, reading and publishing nothing: the next request publishes
-        afresh. Returns False when nothing came from elsewhere (the model itself failed)."""
+        computes its whole prompt (and its cross K/V: ``encode``), reading and publishing
+        nothing: the next request publishes afresh. Returns False when nothing came from
+        elsewhere (the model itself failed)."""
         kv = seq.kv
         cached, cross = seq.usage.cached_prompt_tokens, seq.usage.encoder_cache_hit
         if not cached and not cross:
@@ -214,6 +225,6 @@ class KVConnectorWorker:
         kv.trail = None
         seq.prefilled = seq.usage.cached_prompt_tokens = kv.published_blocks = 0
         seq.usage.encoder_cache_hit = False
-        kv.cross_kv = None
+        kv.cross_kv = kv.encoding = None
         kv.cache = replace(kv.cache, skip_read=True, skip_write=True)
         return True
