@@ -15,7 +15,7 @@ from pathlib import Path
 
 from services.api.config import Settings
 from services.client import add_connection_flags
-from services.modelbuild.presets import DECODER_PRESETS
+from services.modelbuild.presets import DECODER_PRESETS, MODEL_DTYPES
 from services.runtime.kv_layout import KVLayout
 from services.serving.flags import add_settings_flags, settings_from
 
@@ -104,14 +104,14 @@ def _build_model(args: argparse.Namespace) -> int:
             print("kvshare build-model: --from-gguf converts decoder-only (Llama) models", file=sys.stderr)
             return 2
         try:
-            folder = write_gguf_folder(args.from_gguf, args.out_dir, args.weights)
+            folder = write_gguf_folder(args.from_gguf, args.out_dir, args.weights, args.dtype)
         except GGUFError as exc:
             print(f"kvshare build-model: {args.from_gguf}: {exc}", file=sys.stderr)
             return 2
     elif args.arch == "encoder-decoder":
-        folder = write_encoder_decoder_folder(args.out_dir, args.preset, seed=args.seed)
+        folder = write_encoder_decoder_folder(args.out_dir, args.preset, seed=args.seed, dtype=args.dtype)
     else:
-        folder = write_decoder_folder(args.out_dir, args.preset, KVLayout(args.kv_layout), seed=args.seed)
+        folder = write_decoder_folder(args.out_dir, args.preset, KVLayout(args.kv_layout), seed=args.seed, dtype=args.dtype)
     print(folder)
     return 0
 
@@ -233,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
                        help="with --from-gguf: fp32, or int8 (MatMulNBits, 1.3x faster decode on CPU but it changed "
                             "SmolLM2's answers; see the README)")
+    build.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
+                       help="element type of the weights, activations, K/V and logits (bfloat16: float32 logits), "
+                            "as ONNX Runtime GenAI's fp16/bf16 models; with --weights int8, of everything but the "
+                            "8-bit matmul weights. ONNX Runtime's CUDA attention has float16 and bfloat16 kernels "
+                            "only; its CPU provider runs float32 and float16, not bfloat16")
     build.set_defaults(func=_build_model)
 
     from services.local.model_catalogue import CATALOGUE

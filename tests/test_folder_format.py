@@ -1,7 +1,7 @@
 """Both directions of the model folder format, and the builder's determinism.
 
 - ONNX Runtime GenAI loads a folder written by `kvshare build-model` and generates the same greedy
-  tokens as kvshare (proves the folder is the real format, for both KV layouts).
+  tokens as kvshare (proves the folder is the real format, for both KV layouts, float32 and float16).
 - kvshare serves folders made by ONNX Runtime GenAI's own model builder (fp32 and int4;
   GroupQueryAttention, no position_ids, past_present_share_buffer) with GenAI's greedy tokens.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import GENAI_FIXTURES, engine_greedy, record_margin
 
+from services.modelbuild.folder import write_decoder_folder
 from services.runtime.kv_layout import KVLayout
 
 og = pytest.importorskip("onnxruntime_genai")
@@ -44,15 +45,17 @@ def margins_along(engine, prompt_ids: list[int], generated: list[int], label: st
 
 
 @pytest.mark.genai
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
 @pytest.mark.parametrize("layout", list(KVLayout))
-def test_genai_generates_kvshare_tokens_from_built_folder(model_dirs, load_engine, layout):
-    folder = model_dirs["small", layout]
+def test_genai_generates_kvshare_tokens_from_built_folder(model_dirs, load_engine, tmp_path, layout, dtype):
+    folder = model_dirs["small", layout] if dtype == "float32" else \
+        write_decoder_folder(tmp_path / "model", "small", layout, dtype=dtype)
     engine = load_engine(folder)
     prompt = engine.tokenizer.encode("The system prompt tells the assistant who it is and what it may do.")
     ours = engine_greedy(engine, prompt, N_NEW)
     # GenAI's min_length masks EOS, so compare only on a path where greedy never picks it.
     assert not set(ours) & set(engine.spec.eos_token_ids)
-    margins_along(engine, prompt, ours, f"kvshare vs onnxruntime-genai (built small, {layout})")
+    margins_along(engine, prompt, ours, f"kvshare vs onnxruntime-genai (built small, {layout}, {dtype})")
     assert genai_greedy(folder, prompt, N_NEW) == ours
     assert len(set(ours)) > 4, "output should depend on context, not repeat one token"
 

@@ -1,6 +1,7 @@
 """Writes a model folder in ONNX Runtime GenAI's layout: genai_config.json, model.onnx, tokenizer.
 
-Everything is derived from (preset, layout, seed), so two runs write the same bytes.
+Everything is derived from (preset, layout, seed, dtype), so two runs write the same bytes. Graphs
+are built in float32 and converted at the end to ``dtype`` (services/modelbuild/graph_dtype.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from services.modelbuild.decoder_graph import (
     past_names,
     present_names,
 )
+from services.modelbuild.graph_dtype import convert_model
 from services.modelbuild.presets import (
     DECODER_PRESETS,
     ENCODER_DECODER_PRESETS,
@@ -127,14 +129,15 @@ def encoder_decoder_config(shape: EncoderDecoderShape, bos: int, eos: int, pad: 
     }
 
 
-def write_encoder_decoder_folder(out_dir: Path, preset: str, seed: int = 0) -> Path:
-    """Builds the seeded T5-like encoder-decoder ``preset`` into ``out_dir`` (created)."""
+def write_encoder_decoder_folder(out_dir: Path, preset: str, seed: int = 0, dtype: str = "float32") -> Path:
+    """Builds the seeded T5-like encoder-decoder ``preset`` into ``out_dir`` (created), its float
+    tensors in ``dtype`` (graph_dtype.MODEL_DTYPES)."""
     shape = ENCODER_DECODER_PRESETS[preset]
     tok = build_tokenizer(shape.vocab_size, seed=seed)
     encoder, decoder = encdec_graph.build_encoder_decoder(shape, seed=seed)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / ENCODER_FILE).write_bytes(encoder.SerializeToString())
-    (out_dir / DECODER_FILE).write_bytes(decoder.SerializeToString())
+    (out_dir / ENCODER_FILE).write_bytes(convert_model(encoder, dtype).SerializeToString())
+    (out_dir / DECODER_FILE).write_bytes(convert_model(decoder, dtype).SerializeToString())
     config = encoder_decoder_config(shape, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     _write_common(out_dir, config, tok)
     return out_dir
@@ -146,21 +149,24 @@ def _write_common(out_dir: Path, config: dict, tok) -> None:
     (out_dir / "tokenizer_config.json").write_text(tok.tokenizer_config_json, encoding="utf-8")
 
 
-def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int = 0) -> Path:
-    """Builds the seeded decoder ``preset`` into ``out_dir`` (created) and returns the folder."""
+def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int = 0, dtype: str = "float32") -> Path:
+    """Builds the seeded decoder ``preset`` into ``out_dir`` (created), its float tensors in
+    ``dtype`` (graph_dtype.MODEL_DTYPES), and returns the folder."""
     shape = DECODER_PRESETS[preset]
     tok = build_tokenizer(shape.vocab_size, seed=seed)
-    model = build_decoder_graph(shape, layout, seed=seed)
+    model = convert_model(build_decoder_graph(shape, layout, seed=seed), dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / MODEL_FILE).write_bytes(model.SerializeToString())
     _write_common(out_dir, genai_config(shape, layout, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id), tok)
     return out_dir
 
 
-def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32") -> Path:
+def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32", dtype: str = "float32") -> Path:
     """Converts a Llama-architecture GGUF into a folder kvshare and ONNX Runtime GenAI both load.
     ``weights``: ``fp32`` (the dequantized weights), or ``int8`` (MatMulNBits, 8 bits, blocks of 32,
-    accuracy level 4: re-quantized by ONNX Runtime's own quantizer). fp32 is the default because
+    accuracy level 4: re-quantized by ONNX Runtime's own quantizer). ``dtype``: the element type of
+    everything else (activations, K/V, logits, norm weights, and with int8 the quantization scales),
+    as GenAI's int4/int8 CUDA models pair MatMulNBits with float16. fp32 is the default because
     int8 changed SmolLM2's answers: 8-bit kernels that keep them (float activations) decode at
     2 tok/s here, the fast ones (int8 activations) get the capital of France wrong under the
     template's default system message."""
@@ -184,6 +190,7 @@ def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32") -> 
         model = quantize_int8(model)
     elif weights != "fp32":
         raise ValueError(f"weights {weights!r} is not one of int8, fp32")
+    model = convert_model(model, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, out_dir / MODEL_FILE)
     config = genai_config(source.shape, KVLayout.SEPARATE, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)

@@ -1,8 +1,13 @@
-"""Shapes of the seeded models that `kvshare build-model` writes."""
+"""Shapes of the seeded models that `kvshare build-model` writes, and the element types it writes."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+"""The element types of `kvshare build-model --dtype`: the builders make float32 graphs and
+services/modelbuild/graph_dtype.py converts them to the others (here, not there, so that the CLI
+lists them without importing onnx)."""
 
 
 @dataclass(frozen=True, slots=True)

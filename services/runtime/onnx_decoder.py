@@ -11,6 +11,7 @@ way K/V stays on the device between steps.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,9 +93,27 @@ def open_session(path: Path, device: ArrayDevice, intra_op_threads: int,
     except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
             ort.capi.onnxruntime_pybind11_state.NoSuchFile, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as exc:
         raise ModelLoadError(f"{path}: ONNX Runtime cannot load it: {exc}") from exc
+    except ort.capi.onnxruntime_pybind11_state.NotImplemented as exc:
+        raise ModelLoadError(_missing_kernel(path, str(exc))) from exc
     if on_device:
         check_placement(path, session.get_provider_graph_assignment_info(), device.providers[0][0])
     return session
+
+
+def _missing_kernel(path: Path, error: str) -> str:
+    """One line for a graph with an op ONNX Runtime has no kernel for (``error`` is its
+    NOT_IMPLEMENTED message), naming the graph's element type and the fix. The case it is for: a
+    bfloat16 graph on the CPU provider, which runs float32 and float16 graphs only (it casts
+    float16 ops it lacks to float32 by itself, never bfloat16 ones)."""
+    import onnx
+
+    op = re.search(r"implementation for (\w+)\(", error)
+    graph = onnx.load(str(path), load_external_data=False).graph
+    types = {v.type.tensor_type.elem_type for v in (*graph.input, *graph.output)}
+    if onnx.TensorProto.BFLOAT16 not in types:
+        return f"{path}: ONNX Runtime cannot run it: {error}"
+    return (f"{path}: ONNX Runtime's CPU provider has no bfloat16 kernel for {op[1] if op else 'one of its ops'}: "
+            "rebuild it with `kvshare build-model --dtype float16` (or float32)")
 
 
 def input_dtypes(session: ort.InferenceSession, path: Path) -> dict[str, np.dtype]:
