@@ -271,6 +271,11 @@ def test_image_environment_has_one_onnx_runtime(image, kvshare_wheel, tmp_path):
         wheel_major = int(next(iter(runtime.specifier)).version.split(".")[0])
         base = global_args(dockerfile.parse_file(str(ROOT / IMAGES[image])))["CUDA_IMAGE"]
         assert wheel_major == cuda_major(base), f"onnxruntime-gpu wants CUDA {runtime.specifier}, the image is {base}"
+        # CuPy, the device slots' array module, is the build for the same CUDA major, and imports
+        # without a GPU (it has none here): a worker on auto then runs on the CPU.
+        [cupy] = [name for name in installed if name.startswith("cupy-cuda")]
+        assert cupy == f"cupy-cuda{cuda_major(base)}x", f"{cupy} is not built for the image's CUDA {cuda_major(base)}"
+        assert run(python, "-c", "import cupy; print(cupy.__version__)", cwd=tmp_path).strip() == installed[cupy]
 
 
 def test_missing_onnx_runtime_is_one_clear_error(tmp_path):
