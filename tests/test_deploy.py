@@ -589,7 +589,7 @@ def test_checksum_annotation_follows_the_config(helm, rendered):
 def test_configmap_round_trips_through_the_worker_settings(helm):
     """The ConfigMap plus the pod's env, read by services/api/config.py as `kvshare serve` would."""
     values = {"config": {"cache_memory_bytes": 536870912, "cache_op_timeout_ms": 250.5, "drain_s": 250,
-                         "breaker_failures": 5, "execution_provider": "cpu"},
+                         "breaker_failures": 5, "device": "cuda:1"},
               "redis": {"auth": {"enabled": False}, "tls": {"enabled": False}}}
     docs = helm.render(values)
     environ = dict(find(docs, "ConfigMap")["data"])
@@ -601,7 +601,7 @@ def test_configmap_round_trips_through_the_worker_settings(helm):
     # Whole numbers stay integers (Helm reads them as float64, which print as 5.36870912e+08).
     assert environ["KVSHARE_CACHE_MEMORY_BYTES"] == "536870912"
     assert (settings.cache_memory_bytes, settings.cache_op_timeout_ms, settings.drain_s) == (536870912, 250.5, 250.0)
-    assert (settings.breaker_failures, settings.execution_provider) == (5, "cpu")
+    assert (settings.breaker_failures, settings.device) == (5, "cuda:1")
     assert (settings.reflection, settings.intra_op_threads, settings.health_port) == (False, 1, 0)
     assert all(k.startswith(ENV_PREFIX) for k in environ)
 
@@ -622,7 +622,8 @@ SCHEMA_VIOLATIONS = [
     (["--set", "replicaCount=two"], "replicaCount", "integer"),
     (["--set", "model.source=s3"], "model.source", "one of"),
     (["--set", "config.drain_seconds=30"], "config", "drain_seconds"),
-    (["--set", "config.execution_provider=tpu"], "config.execution_provider", "one of"),
+    (["--set", "config.device=tpu"], "config.device", "match pattern"),
+    (["--set", "config.device=cuda:"], "config.device", "match pattern"),
     (["--set", "redis.builtIn.maxmemoryPolicy=noeviction"], "redis.builtIn.maxmemoryPolicy", "one of"),
     (["--set", "redis.builtIn.enabled=false", "--set", "redis.url=http://redis:6379"], "redis.url", "match pattern"),
     (["--set", "redis.builtIn.enabled=false"], "redis.url", "(length|minLength)"),
@@ -768,11 +769,19 @@ def test_gpu_values(rendered):
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert pod["runtimeClassName"] == "nvidia"
-    assert find(docs, "ConfigMap")["data"]["KVSHARE_EXECUTION_PROVIDER"] == "cuda"
+    assert find(docs, "ConfigMap")["data"]["KVSHARE_DEVICE"] == "cuda"
     # The CPU default asks for no GPU and no GPU node.
     cpu = find(rendered["defaults"], "Deployment")["spec"]["template"]["spec"]
     assert "nvidia.com/gpu" not in cpu["containers"][0]["resources"]["limits"]
     assert "tolerations" not in cpu and "nodeSelector" not in cpu and "runtimeClassName" not in cpu
+
+
+def test_gpu_workers_turn_only_the_auto_device_into_cuda(helm, rendered):
+    """With gpu.enabled, device auto becomes cuda, so that a worker without its GPU fails to start;
+    a device that was chosen (a GPU of several) is kept, and CPU workers keep auto."""
+    assert find(rendered["defaults"], "ConfigMap")["data"]["KVSHARE_DEVICE"] == "auto"
+    docs = helm.render({"gpu": {"enabled": True, "count": 2}, "config": {"device": "cuda:1"}})
+    assert find(docs, "ConfigMap")["data"]["KVSHARE_DEVICE"] == "cuda:1"
 
 
 @pytest.mark.subprocess
@@ -1046,7 +1055,10 @@ def test_dockerfile_runtime_stage(name):
                 assert (ROOT / source).exists(), source
                 assert source.split("/")[0] in allowed, f"{source} is excluded by .dockerignore"
     if name == "Dockerfile.gpu":
-        assert env["KVSHARE_EXECUTION_PROVIDER"] == "cuda"
+        assert env["KVSHARE_DEVICE"] == "cuda"
+        # CuPy caches the kernels it compiles under $HOME, and the image's user has none: /tmp is
+        # writable, also with a read-only root filesystem (a tmpfs there, as the chart mounts).
+        assert env["CUPY_CACHE_DIR"].startswith("/tmp/")
         # Its one ONNX Runtime (onnxruntime-gpu) comes from its own lock: tests/test_images.py.
         assert any("requirements/gpu.txt" in c.original for c in commands if c.cmd == "RUN")
 
