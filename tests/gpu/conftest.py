@@ -1,0 +1,55 @@
+"""Tests that need a GPU: every test under tests/gpu/ is marked ``cuda`` and, where CuPy sees no GPU
+or ONNX Runtime has no CUDA provider (CI, every machine without one), skipped with that reason, so
+the suite collects them everywhere and runs them where they can run (scripts/gpu_check.sh).
+
+Under scripts/gpu_check.sh (``KVSHARE_GPU_CHECK=1``) a missing GPU or provider is a usage error
+instead of a skip: there, a skipped test would hide exactly the failure the check is for.
+
+Conventions for the modules here, since tests/ has no ``__init__.py`` (pytest imports each test
+module by its file name): names unique across tests/ (``test_cuda_*.py``), and CuPy imported inside
+tests and fixtures only, never at module level: CI has no CuPy, and a module that fails to import
+is a collection error there, not a skip.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REQUIRE = "KVSHARE_GPU_CHECK"
+
+
+def cuda_missing() -> str | None:
+    """Why CUDA cannot run these tests here, or None when it can."""
+    try:
+        import cupy
+    except ImportError:
+        return "CuPy is not installed (pip install kvshare[gpu] brings cupy-cuda13x)"
+    if not cupy.cuda.is_available():
+        return f"CuPy {cupy.__version__} sees no GPU"
+    import onnxruntime
+
+    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
+        return f"onnxruntime {onnxruntime.__version__} has no CUDA provider (onnxruntime-gpu has)"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Called with the whole session's items, not only this folder's; first, so that `-m cuda`
+    # selects on the marker added here.
+    ours = [item for item in items if HERE in item.path.parents]
+    if not ours:
+        return
+    for item in ours:
+        item.add_marker(pytest.mark.cuda)
+    reason = cuda_missing()
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE) == "1":
+        raise pytest.UsageError(f"{REQUIRE}=1 and {len(ours)} CUDA tests collected, but {reason}")
+    for item in ours:
+        item.add_marker(pytest.mark.skip(reason=f"no CUDA here: {reason}"))

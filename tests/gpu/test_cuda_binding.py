@@ -1,0 +1,45 @@
+"""What device K/V slots stand on: an ONNX Runtime CUDA session reads and writes CuPy arrays that are
+bound to a run by raw device pointer, a row of a larger array included (a pointer plus the row's
+byte offset), with no copy through the host and nothing outside the bound bytes touched."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+ROWS, WIDTH = 3, 8
+
+
+def add_one_session():
+    """A CUDA session of ``y = x + 1`` over float16 ``[1, WIDTH]``."""
+    import onnxruntime as ort
+
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "one"], ["y"])], "add_one",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, WIDTH])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, WIDTH])],
+        [helper.make_tensor("one", TensorProto.FLOAT16, [1], np.ones(1, np.float16).view(np.uint16).tolist())])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.checker.check_model(model)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
+    assert session.get_providers()[0] == "CUDAExecutionProvider", session.get_providers()
+    return session
+
+
+def test_a_run_reads_and_writes_rows_of_cupy_arrays_in_place():
+    import cupy
+
+    session = add_one_session()
+    source = cupy.arange(ROWS * WIDTH, dtype=cupy.float16).reshape(ROWS, WIDTH)
+    target = cupy.full((ROWS, WIDTH), -1, dtype=cupy.float16)
+    row_bytes = WIDTH * source.itemsize
+    binding = session.io_binding()
+    binding.bind_input("x", "cuda", 0, np.float16, [1, WIDTH], source.data.ptr + 2 * row_bytes)
+    binding.bind_output("y", "cuda", 0, np.float16, [1, WIDTH], target.data.ptr + 1 * row_bytes)
+    session.run_with_iobinding(binding)
+
+    expected = np.full((ROWS, WIDTH), -1, np.float16)
+    expected[1] = cupy.asnumpy(source[2]) + 1
+    np.testing.assert_array_equal(cupy.asnumpy(target), expected)
