@@ -84,13 +84,22 @@ def kvshare_load(target: str, prompts: list[list[int]], new_tokens: list[int],
 
 
 class GenAIEngine:
-    """ONNX Runtime GenAI 0.18's og.Engine on a copy of the folder (threads pinned, rows set)."""
+    """ONNX Runtime GenAI 0.18's og.Engine on a copy of the folder (threads pinned, rows set), on
+    the folder's providers (the CPU) or on ``provider`` alone with its ``options`` ("cuda" with
+    {"device_id": "1"}: onnxruntime-genai-cuda)."""
 
-    def __init__(self, model: BenchModel, rows: int) -> None:
+    def __init__(self, model: BenchModel, rows: int, provider: str | None = None,
+                 options: dict[str, str] | None = None) -> None:
         import onnxruntime_genai as og
 
         self.og = og
-        self.engine = og.Engine(og.Model(str(genai_folder(model, rows))))
+        config = og.Config(str(genai_folder(model, rows)))
+        if provider is not None:
+            config.clear_providers()
+            config.append_provider(provider)
+            for key, value in (options or {}).items():
+                config.set_provider_option(provider, key, value)
+        self.engine = og.Engine(og.Model(config))
 
     def load(self, prompts: list[list[int]], new_tokens: list[int]) -> LoadResult:
         og = self.og

@@ -1,6 +1,9 @@
 """Each benchmark still runs end to end (tiny model, few runs): checks that they work, not their
-numbers, so they cannot rot between the runs recorded in docs/benchmarks.md."""
+numbers, so they cannot rot between the runs recorded in docs/benchmarks.md. bench/gpu.py is not
+among them (it needs a GPU, which CI never has; scripts/gpu_check.sh runs it): here it only has to
+refuse a machine without one in one line."""
 
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -46,3 +49,13 @@ def test_benchmark_smoke_run(bench, smoke_runs):
     assert "|---:|" in proc.stdout, "prints its table"
     if bench in PLOTTED:
         assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_benchmark_refuses_a_machine_without_a_gpu():
+    """No GPU visible (CUDA_VISIBLE_DEVICES empty hides any there is): one line and exit 2, before it
+    builds or starts anything."""
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stdout == "" and len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("bench.gpu: no GPU to measure on: ")
