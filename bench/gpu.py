@@ -57,6 +57,7 @@ from kvshare.v1 import generator_pb2 as pb
 from services.local.model_cache import builder_identity, cache_dir, ensure_folder
 from services.local.model_catalogue import CATALOGUE, fetch_wheel
 from services.local.worker_process import WorkerProcess
+from services.runtime.device_arrays import cuda_problem
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = ROOT / "docs" / "gpu.json"
@@ -117,19 +118,10 @@ class TTFTRow:
 
 
 def missing_gpu(device: str) -> str | None:
-    """Why ``device`` (cuda or cuda:N) cannot run this benchmark here, or None when it can."""
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (kvshare[gpu] brings cupy-cuda13x)"
-    count = cupy.cuda.runtime.getDeviceCount() if cupy.cuda.is_available() else 0
-    index = int(device.partition(":")[2] or 0)
-    if index >= count:
-        return f"CuPy {cupy.__version__} sees {count} GPUs, so there is no {device}"
-    from services.runtime.ort import onnxruntime as ort
-
-    if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return f"onnxruntime {ort.__version__} has no CUDA provider (onnxruntime-gpu has)"
+    """Why ``device`` (cuda or cuda:N) cannot run this benchmark here, or None when it can: what
+    stops a worker (``cuda_problem``), or a GenAI without CUDA."""
+    if problem := cuda_problem(int(device.partition(":")[2] or 0)):
+        return problem
     try:
         import onnxruntime_genai as og
     except ImportError:

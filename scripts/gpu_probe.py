@@ -1,4 +1,5 @@
-"""What this machine offers kvshare on CUDA, for scripts/gpu_check.sh: the GPU CuPy sees, ONNX
+"""What this machine offers kvshare on CUDA, for scripts/gpu_check.sh: whether a worker can use CUDA
+device 0 (the worker's own check, ``device_arrays.cuda_problem``), the GPUs CuPy sees, ONNX
 Runtime's providers and where its module comes from, ONNX Runtime GenAI's build, the redis-server
 binary, and whether every installed requirement of kvshare (its base dependencies and the gpu
 extra, from pyproject.toml) is in range.
@@ -21,6 +22,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
 def requirement_problems() -> tuple[dict[str, str], list[str]]:
@@ -52,18 +54,17 @@ def onnx_runtime(problems: list[str]) -> dict:
     gpu_build = importlib.metadata.distribution("onnxruntime-gpu")
     if Path(gpu_build.locate_file("onnxruntime")).resolve() != module:
         problems.append(f"`import onnxruntime` loads {module}, not onnxruntime-gpu's: put its folder first on PYTHONPATH")
-    providers = onnxruntime.get_available_providers()
-    if "CUDAExecutionProvider" not in providers:
-        problems.append(f"onnxruntime {onnxruntime.__version__} lists no CUDAExecutionProvider: {providers}")
-    return {"version": onnxruntime.__version__, "module": str(module), "providers": providers}
+    return {"version": onnxruntime.__version__, "module": str(module), "providers": onnxruntime.get_available_providers()}
 
 
 def gpus(problems: list[str]) -> dict:
+    from services.runtime.device_arrays import cuda_problem
+
+    if problem := cuda_problem(0):
+        problems.append(f"a worker cannot use cuda:0: {problem}")
     import cupy
 
     count = cupy.cuda.runtime.getDeviceCount() if cupy.cuda.is_available() else 0
-    if not count:
-        problems.append(f"CuPy {cupy.__version__} sees no GPU")
     devices = []
     for index in range(count):
         properties = cupy.cuda.runtime.getDeviceProperties(index)
@@ -81,7 +82,6 @@ def genai(problems: list[str]) -> dict:
 
 
 def redis_server(problems: list[str]) -> dict:
-    sys.path.insert(0, str(ROOT))
     from services.local.redis_process import redis_binary
 
     binary = redis_binary()

@@ -258,7 +258,10 @@ def test_image_environment_has_one_onnx_runtime(image, kvshare_wheel, tmp_path):
     assert installed[ONNX_RUNTIME[image]] == read_lock(image)[ONNX_RUNTIME[image]].version
 
     run(venv / "bin" / "kvshare", "build-model", "--arch", "decoder", "--preset", "tiny", tmp_path / "model", cwd=tmp_path)
-    probe = json.loads(run(python, "-c", ENVIRONMENT_PROBE, tmp_path / "model", ONNX_RUNTIME[image], cwd=tmp_path))
+    # The probe's JSON is its last line: with onnxruntime-gpu and no CUDA libraries (here), the
+    # "auto" device's onnxruntime.preload_dlls() prints what it could not load on stdout first.
+    output = run(python, "-c", ENVIRONMENT_PROBE, tmp_path / "model", ONNX_RUNTIME[image], cwd=tmp_path)
+    probe = json.loads(output.splitlines()[-1])
     assert Path(probe["services"]).is_relative_to(venv), probe["services"]
     assert probe["tokens"] == 3 and len(probe["logits"]) == 1
     # The CPU build runs on the CPU; onnxruntime-gpu uses CUDA where it can, else (no GPU here) the CPU.

@@ -1,6 +1,7 @@
-"""Tests that need a GPU: every test under tests/gpu/ is marked ``cuda`` and, where CuPy sees no GPU
-or ONNX Runtime has no CUDA provider (CI, every machine without one), skipped with that reason, so
-the suite collects them everywhere and runs them where they can run (scripts/gpu_check.sh).
+"""Tests that need a GPU: every test under tests/gpu/ is marked ``cuda`` and, where CUDA device 0
+cannot run a worker (``device_arrays.cuda_problem``: no CUDA provider in ONNX Runtime, no CuPy, no
+GPU; CI and every machine without one), skipped with that reason, so the suite collects them
+everywhere and runs them where they can run (scripts/gpu_check.sh).
 
 Under scripts/gpu_check.sh (``KVSHARE_GPU_CHECK=1``) a missing GPU or provider is a usage error
 instead of a skip: there, a skipped test would hide exactly the failure the check is for.
@@ -18,23 +19,10 @@ from pathlib import Path
 
 import pytest
 
+from services.runtime.device_arrays import cuda_problem
+
 HERE = Path(__file__).resolve().parent
 REQUIRE = "KVSHARE_GPU_CHECK"
-
-
-def cuda_missing() -> str | None:
-    """Why CUDA cannot run these tests here, or None when it can."""
-    try:
-        import cupy
-    except ImportError:
-        return "CuPy is not installed (pip install kvshare[gpu] brings cupy-cuda13x)"
-    if not cupy.cuda.is_available():
-        return f"CuPy {cupy.__version__} sees no GPU"
-    import onnxruntime
-
-    if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-        return f"onnxruntime {onnxruntime.__version__} has no CUDA provider (onnxruntime-gpu has)"
-    return None
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -46,7 +34,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     for item in ours:
         item.add_marker(pytest.mark.cuda)
-    reason = cuda_missing()
+    reason = cuda_problem(0)
     if reason is None:
         return
     if os.environ.get(REQUIRE) == "1":
