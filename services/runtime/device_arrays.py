@@ -245,10 +245,6 @@ def cuda_problem(index: int) -> str | None:
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
         return "this ONNX Runtime has no CUDA provider (install kvshare[gpu]: onnxruntime-gpu and CuPy)"
-    if hasattr(ort, "preload_dlls"):
-        # CUDA and cuDNN from NVIDIA's pip wheels where those are installed (a no-op where the
-        # system has them, as in the CUDA image): ONNX Runtime does not search site-packages itself.
-        ort.preload_dlls()
     try:
         import cupy
     except ImportError:
@@ -259,6 +255,11 @@ def cuda_problem(index: int) -> str | None:
         return f"no CUDA device can be used ({exc})"
     if index >= count:
         return f"CUDA device {index} does not exist ({count} found)"
+    if hasattr(ort, "preload_dlls"):
+        # CUDA and cuDNN from NVIDIA's pip wheels where those are installed (a no-op where the
+        # system has them, as in the CUDA image): ONNX Runtime does not search site-packages
+        # itself. Only once a GPU is known: without one it prints a line per library it misses.
+        ort.preload_dlls()
     return None
 
 

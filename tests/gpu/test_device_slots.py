@@ -18,7 +18,10 @@ from services.engine.encoder_input import EncoderRequest
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import BeamSearch, GenerationRequest
 from services.errors import ModelLoadError
-from services.modelbuild.folder import write_decoder_folder, write_encoder_decoder_folder
+from services.modelbuild.folder import (
+    write_decoder_folder,
+    write_encoder_decoder_folder,
+)
 from services.runtime.kv_layout import KVLayout
 from services.runtime.slots import SharedSlots
 
