@@ -4,6 +4,7 @@ report of the smallest top-1/top-2 logit margin that greedy comparisons relied o
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import grpc
@@ -38,6 +39,35 @@ def note_margin(label: str, gap: float) -> float:
     """Notes a top-1/top-2 gap measured elsewhere (e.g. from log-probabilities) under ``label``."""
     _margins[label] = min(gap, _margins.get(label, np.inf))
     return gap
+
+
+GPU_TESTS = Path(__file__).parent.resolve() / "gpu"
+"""Tests that need a GPU. tests/ has no ``__init__.py`` (pytest imports each module by its file
+name, and ``from conftest import ...`` must find this file), so that folder has no conftest of its
+own: its modules are named uniquely and import CuPy inside tests only (CI has none)."""
+REQUIRE_GPU = "KVSHARE_GPU_CHECK"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks every test under tests/gpu/ ``cuda`` (first, so that ``-m cuda`` selects on it) and,
+    where CUDA device 0 cannot run a worker (``device_arrays.cuda_problem``: CI and every machine
+    without a GPU), skips them with that reason. Under scripts/gpu_check.sh (``KVSHARE_GPU_CHECK=1``)
+    that is a usage error instead: there a skip would hide exactly the failure the check is for."""
+    ours = [item for item in items if GPU_TESTS in item.path.parents]
+    if not ours:
+        return
+    for item in ours:
+        item.add_marker(pytest.mark.cuda)
+    from services.runtime.device_arrays import cuda_problem
+
+    reason = cuda_problem(0)
+    if reason is None:
+        return
+    if os.environ.get(REQUIRE_GPU) == "1":
+        raise pytest.UsageError(f"{REQUIRE_GPU}=1 and {len(ours)} CUDA tests collected, but {reason}")
+    for item in ours:
+        item.add_marker(pytest.mark.skip(reason=f"no CUDA here: {reason}"))
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
