@@ -97,6 +97,7 @@ class SharedSlots(_Bank):
         self._lengths = np.zeros(max_batch, dtype=np.int64)
         self._row_bytes = self._kv[0, 0, 0].nbytes
         self._logits = device.zeros(self._logits_shape(max_batch, 1), session.logits_dtype)
+        self._prefill_buffer = None
         self._decode_bindings: dict[int, ort.IOBinding] = {}
         self._row_locks = [threading.Lock() for _ in range(max_batch)]
 
@@ -213,7 +214,7 @@ class SharedSlots(_Bank):
         n = len(token_ids)
         assert slot.length + n <= slot.capacity, "prefill past the slot's capacity"
         binding = self.session.io_binding()
-        logits = self.device.zeros(self._logits_shape(1, n), self.session.logits_dtype)
+        logits = self._prefill_logits(n)
         self._bind(binding, self.session.spec.logits_name, logits, output=True)
         self._bind_rows(binding, slot.index, 1)
         bound = self._bind_inputs(binding, np.asarray([token_ids]), self._lengths[slot.index : slot.index + 1])
@@ -222,6 +223,16 @@ class SharedSlots(_Bank):
         self._set_length(slot, slot.length + n)
         wanted = logits[0] if all_positions or logits.ndim == 2 else logits[0, -1:]
         return self.session.positions_logits(self.device.to_host(wanted), n, all_positions)
+
+    def _prefill_logits(self, n: int):
+        """Where a prefill run over ``n`` tokens writes its logits: the front of one buffer kept
+        for the longest run so far (a fresh one per run would cost its page faults on the host,
+        an allocation on a device). Callers copy what they keep (``positions_logits``)."""
+        shape = self._logits_shape(1, n)
+        size = int(np.prod(shape))
+        if self._prefill_buffer is None or self._prefill_buffer.size < size:
+            self._prefill_buffer = self.device.zeros([size], self.session.logits_dtype)
+        return self._prefill_buffer[:size].reshape(shape)
 
     def fork(self, source: Slot, targets: Sequence[Slot]) -> None:
         """Gives every target a copy of ``source``'s tokens: each row of the shared buffer is one
