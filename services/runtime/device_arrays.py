@@ -244,7 +244,8 @@ def cuda_problem(index: int) -> str | None:
     from services.runtime.ort import onnxruntime as ort
 
     if "CUDAExecutionProvider" not in ort.get_available_providers():
-        return "this ONNX Runtime has no CUDA provider (install kvshare[gpu]: onnxruntime-gpu and CuPy)"
+        return ("this ONNX Runtime has no CUDA provider: install kvshare[gpu] (onnxruntime-gpu and CuPy) in place of "
+                "kvshare[cpu] (pip uninstall onnxruntime first: both install the module onnxruntime)")
     try:
         import cupy
     except ImportError:
