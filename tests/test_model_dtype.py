@@ -237,3 +237,22 @@ def test_a_gguf_converts_to_float16_and_answers_as_float32(smollm2, smollm2_floa
     ids = bicycle["prompt_ids"] + bicycle["greedy_ids"][:16]
     logits16, logits32 = teacher_forced(e16.session, ids), teacher_forced(e32.session, ids)
     assert np.max(np.abs(logits16 - logits32)) <= SMOLLM2_LOGIT_TOLERANCE
+
+
+def test_a_bfloat16_input_is_refused_with_the_fix(tmp_path):
+    """Where ONNX Runtime opens a bfloat16 graph (CUDA; here a Cast, which the CPU runs), the
+    session's inputs stop it: nothing in the worker has a bfloat16 array type to bind."""
+    from onnx import TensorProto, helper
+
+    from services.errors import ModelLoadError
+    from services.runtime.onnx_decoder import input_dtypes
+    from services.runtime.ort import onnxruntime as ort
+
+    graph = helper.make_graph([helper.make_node("Cast", ["past_key_values.0.key"], ["y"], to=TensorProto.FLOAT)], "g",
+                              [helper.make_tensor_value_info("past_key_values.0.key", TensorProto.BFLOAT16, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(ModelLoadError, match=r"bfloat16 graph.*--dtype float16"):
+        input_dtypes(session, tmp_path / "model.onnx")

@@ -210,10 +210,11 @@ def test_prefix_fetch_flag_and_environment():
     assert parse(["--prefix-fetch", "always"], {}).prefix_fetch == "always"
     assert parse([], {"KVSHARE_PREFIX_FETCH": "always"}).prefix_fetch == "always"
     assert parse(["--prefix-fetch", "auto"], {"KVSHARE_PREFIX_FETCH": "always"}).prefix_fetch == "auto"
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as flag:
         parse(["--prefix-fetch", "never"], {})
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as env:
         parse([], {"KVSHARE_PREFIX_FETCH": "never"})
+    assert flag.value.code == env.value.code == 2, "a setting that cannot be used exits 2, from a flag or the environment"
     # The flag's choices are the policy's modes.
     choices = next(f.metadata["choices"] for f in fields(Settings) if f.name == "prefix_fetch")
     assert choices == [mode.value for mode in PrefixFetch]

@@ -182,10 +182,17 @@ def test_device_choices(text, parsed):
     assert DeviceChoice.parse(text) == parsed
 
 
+@pytest.mark.parametrize("text", ["gpu", "cpu:", "cpu:0", "cuda:", "cuda:x", "cuda:²", "cuda:٣", "auto:1", ""])
+def test_device_texts_that_name_no_device(text):
+    with pytest.raises(ValueError, match="expected auto, cpu, cuda or cuda:N"):
+        DeviceChoice.parse(text)
+
+
 @pytest.mark.parametrize("device, message", [
     ("cuda", "kvshare serve: --device cuda:0: this ONNX Runtime has no CUDA provider"),
     ("cuda:1", "kvshare serve: --device cuda:1: this ONNX Runtime has no CUDA provider"),
-    ("tpu", "kvshare serve: --device 'tpu': expected auto, cpu, cuda or cuda:N (env KVSHARE_DEVICE)"),
+    ("tpu", "kvshare serve: --device 'tpu': expected auto, cpu, cuda or cuda:N"),
+    ("cuda:²", "kvshare serve: --device 'cuda:²': expected auto, cpu, cuda or cuda:N"),
 ])
 def test_a_device_that_cannot_be_used_stops_the_worker_with_one_line(tiny_model, device, message):
     if "CUDAExecutionProvider" in ort.get_available_providers():

@@ -119,6 +119,9 @@ def _missing_kernel(path: Path, error: str) -> str:
 def input_dtypes(session: ort.InferenceSession, path: Path) -> dict[str, np.dtype]:
     types = {i.name: i.type for i in session.get_inputs()}
     unsupported = {n: t for n, t in types.items() if t not in _ORT_TYPES}
+    if "tensor(bfloat16)" in unsupported.values():
+        raise ModelLoadError(f"{path}: a bfloat16 graph, which kvshare cannot serve yet (numpy, CuPy and ONNX Runtime's "
+                             "Python API share no bfloat16 type): rebuild it with `kvshare build-model --dtype float16`")
     if unsupported:
         raise ModelLoadError(f"{path}: inputs of unsupported types {unsupported}")
     return {n: np.dtype(_ORT_TYPES[t]) for n, t in types.items()}

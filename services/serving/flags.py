@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import ClassVar, Self, TypeVar, get_type_hints
+from typing import ClassVar, NoReturn, Self, TypeVar, get_type_hints
 
 
 class FlagSettings:
@@ -49,7 +50,7 @@ class FlagSettings:
                 continue
             value = _parse(hints[f.name], raw, name)
             if "choices" in f.metadata and value not in f.metadata["choices"]:
-                raise SystemExit(f"{name}: {raw!r} is not one of {f.metadata['choices']}")
+                _refuse(f"{name}: {raw!r} is not one of {f.metadata['choices']}")
             setattr(self, f.name, value)
         return self
 
@@ -70,13 +71,19 @@ def _converter(kind: type):
     return Path if kind == (Path | None) else _bool if kind is bool else kind
 
 
+def _refuse(message: str) -> NoReturn:
+    """Stops the command on a setting it cannot use: one line, exit 2 (as argparse does for a flag)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
 def _parse(kind: type, raw: str, origin: str):
     target = _converter(kind)
     try:
         return target(raw)
-    except (ValueError, argparse.ArgumentTypeError) as exc:
+    except (ValueError, argparse.ArgumentTypeError):
         what = "true or false" if target is _bool else target.__name__
-        raise SystemExit(f"{origin}: cannot read {raw!r} as {what}") from exc
+        _refuse(f"{origin}: cannot read {raw!r} as {what}")
 
 
 def add_settings_flags(parser: argparse.ArgumentParser, kind: type[FlagSettings]) -> None:
