@@ -137,6 +137,22 @@ def collect(engine: Engine, request: GenerationRequest):
     return asyncio.run(run())
 
 
+async def stream_async(engine: Engine, request: GenerationRequest) -> tuple[list[int], list[np.ndarray], object]:
+    """(token ids, logits of each token, last chunk) of ``request`` run to its end, its publishes done."""
+    ids, logits, last = [], [], None
+    async for chunk in engine.generate(request):
+        ids += chunk.token_ids
+        logits += chunk.logits
+        last = chunk
+    await engine.wait_for_publishes()
+    return ids, logits, last
+
+
+def stream(engine: Engine, request: GenerationRequest) -> tuple[list[int], list[np.ndarray], object]:
+    """``stream_async`` on an event loop of its own."""
+    return asyncio.run(stream_async(engine, request))
+
+
 def engine_greedy(engine: Engine, prompt_ids: list[int], n: int) -> list[int]:
     """The engine's greedy ids for ``prompt_ids``, ``n`` tokens, EOS not stopping generation."""
     return collect(engine, GenerationRequest(prompt_token_ids=prompt_ids, max_new_tokens=n, ignore_eos=True))[0]

@@ -5,7 +5,6 @@ and ONNX Runtime GenAI running the converted folder."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 from pathlib import Path
@@ -13,7 +12,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
-from conftest import collect, record_margin
+from conftest import collect, record_margin, stream
 
 from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
@@ -44,21 +43,6 @@ SYSTEM = "\n".join(
 # prefill, so the logits move by float32 rounding only; float16 K/V moves them by its rounding
 # (bench/cache_dtype.py measured at most 0.0155 over 20 prompts x 201 positions on this model).
 LOGIT_TOLERANCE = {"float32": 1e-3, "float16": 0.03}
-
-
-def stream(engine: Engine, request: GenerationRequest) -> tuple[list[int], list[np.ndarray], object]:
-    """(token ids, logits of each token, last chunk) of ``request`` run to its end."""
-
-    async def run():
-        ids, logits, last = [], [], None
-        async for chunk in engine.generate(request):
-            ids += chunk.token_ids
-            logits += chunk.logits
-            last = chunk
-        await engine.wait_for_publishes()
-        return ids, logits, last
-
-    return asyncio.run(run())
 
 
 def load(folder: Path, store=None) -> Engine:

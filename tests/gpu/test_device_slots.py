@@ -11,6 +11,7 @@ import asyncio
 
 import numpy as np
 import pytest
+from conftest import stream, stream_async
 
 from cachestore.memory import MemoryStore
 from cachestore.stats import CacheStats
@@ -60,18 +61,9 @@ def _prompt(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(3, 2000, size=n).tolist()
 
 
-async def _run(engine: Engine, request: GenerationRequest):
-    tokens, logits, last = [], [], None
-    async for chunk in engine.generate(request):
-        tokens += chunk.token_ids
-        logits += chunk.logits
-        last = chunk
-    await engine.wait_for_publishes()
-    return tokens, np.array([np.asarray(x) for x in logits]), last
-
-
 def _one(engine: Engine, request: GenerationRequest):
-    return asyncio.run(_run(engine, request))
+    tokens, logits, last = stream(engine, request)
+    return tokens, np.array(logits), last
 
 
 def _request(ids, n=12, **fields) -> GenerationRequest:
@@ -89,14 +81,14 @@ def test_batched_rows_on_the_device_equal_each_row_alone(on_device):
     alone = [_one(on_device, _request(p, cache=None)) for p in prompts]
 
     async def together():
-        return await asyncio.gather(*(_run(on_device, _request(p)) for p in prompts))
+        return await asyncio.gather(*(stream_async(on_device, _request(p)) for p in prompts))
 
     steps = on_device.runner.stats.decode_steps
     batched = asyncio.run(together())
     assert on_device.runner.stats.max_decode_rows > 1 and on_device.runner.stats.decode_steps > steps
     for (tokens, logits, _), (want, want_logits, _) in zip(batched, alone, strict=True):
         assert tokens == want
-        assert np.abs(logits - want_logits).max() <= FP16_LOGITS
+        assert np.abs(np.array(logits) - want_logits).max() <= FP16_LOGITS
 
 
 def test_warm_equals_cold_and_copies_exactly_the_cached_tokens(on_device):
