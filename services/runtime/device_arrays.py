@@ -130,9 +130,6 @@ class HostArrays:
         """A model output (logits) on the host: no K/V, not counted."""
         return array
 
-    def synchronize(self) -> None:
-        """Nothing is asynchronous on the host."""
-
 
 class CudaArrays:
     """CuPy arrays on one CUDA device, every copy and every ONNX Runtime run on one stream."""
@@ -209,16 +206,17 @@ class CudaArrays:
 
     def copy_within(self, array: Any, dest: tuple, src: tuple) -> None:
         with self.scope():
-            values = array[tuple(self.xp.asarray(k) if isinstance(k, np.ndarray) else k for k in src)]
-            array[tuple(self.xp.asarray(k) if isinstance(k, np.ndarray) else k for k in dest)] = values
+            values = array[self._on_device(src)]
+            array[self._on_device(dest)] = values
         self.copied.add("within", values.nbytes)
+
+    def _on_device(self, key: tuple) -> tuple:
+        """``key`` with its index arrays (the rows of a gather) moved to the device."""
+        return tuple(self.xp.asarray(k) if isinstance(k, np.ndarray) else k for k in key)
 
     def to_host(self, array: Any) -> np.ndarray:
         with self.scope():
             return self.xp.asnumpy(array, stream=self.stream)
-
-    def synchronize(self) -> None:
-        self.stream.synchronize()
 
 
 class _Scope:

@@ -95,16 +95,10 @@ class SharedSlots(_Bank):
         self._kv = device.zeros([spec.num_layers, 2, max_batch, spec.num_kv_heads, max_seq, spec.head_size],
                                 session.kv_dtype)
         self._lengths = np.zeros(max_batch, dtype=np.int64)
-        self._row_bytes = self._kv[0, 0, 0].nbytes
         self._logits = device.zeros(self._logits_shape(max_batch, 1), session.logits_dtype)
         self._prefill_buffer = None
         self._decode_bindings: dict[int, ort.IOBinding] = {}
         self._row_locks = [threading.Lock() for _ in range(max_batch)]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of K/V memory the bank holds (committed as rows are written, on the host)."""
-        return int(self._kv.nbytes)
 
     def release(self, slot: Slot) -> None:
         with self._row_locks[slot.index]:
