@@ -70,11 +70,19 @@ class LeaseOptions:
         return self.wait_factor > 0
 
 
-class PrefillPace:
-    """This worker's recent prefill cost in ms per prompt token: an exponentially weighted mean over
-    prefill chunks (the scheduler thread observes; any thread reads)."""
+RECENT_WEIGHT = 0.2
+"""The weight of each new observation in a running estimate (``running_mean``)."""
 
-    WEIGHT = 0.2
+
+def running_mean(mean: float, value: float, observations: int) -> float:
+    """An exponentially weighted mean after ``value``, the ``observations + 1``-th: the first
+    observation replaces whatever ``mean`` assumed, each later one moves it by ``RECENT_WEIGHT``."""
+    return value if not observations else mean + RECENT_WEIGHT * (value - mean)
+
+
+class PrefillPace:
+    """This worker's recent prefill cost in ms per prompt token: a running mean over prefill
+    chunks (the scheduler thread observes; any thread reads)."""
 
     def __init__(self, first_ms_per_token: float) -> None:
         self.ms_per_token = first_ms_per_token
@@ -84,8 +92,7 @@ class PrefillPace:
     def observe(self, tokens: int, ms: float) -> None:
         if tokens <= 0:
             return
-        pace = ms / tokens
-        self.ms_per_token = pace if not self.observations else self.ms_per_token + self.WEIGHT * (pace - self.ms_per_token)
+        self.ms_per_token = running_mean(self.ms_per_token, ms / tokens, self.observations)
         self.observations += 1
 
     def expected_ms(self, tokens: int) -> float:

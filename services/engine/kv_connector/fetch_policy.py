@@ -39,7 +39,7 @@ from enum import Enum
 import numpy as np
 
 from services.engine.kv_connector.state import cached_tokens
-from services.engine.run_waits import PrefillPace
+from services.engine.run_waits import PrefillPace, running_mean
 
 FETCH_MARGIN = 2.0
 """A fetch is skipped only when computing the run is expected this many times faster."""
@@ -47,8 +47,6 @@ MIN_OBSERVATIONS = 8
 """Observations each estimate needs before any fetch is skipped."""
 PROBE_EVERY = 16
 """One in this many decisions to skip fetches anyway."""
-WEIGHT = 0.2
-"""The weight of each new observation in the store's running estimates (as ``PrefillPace``'s)."""
 
 
 class PrefixFetch(Enum):
@@ -76,10 +74,10 @@ class StoreRate:
         """One lookup that found at least one block: ``first_block_ms`` to its first, then
         ``further_ms`` for the ``further_bytes`` bytes of the blocks after it (0: none)."""
         with self._lock:
-            self.first_block_ms = _weighed(self.first_block_ms, first_block_ms, self.first_observations)
+            self.first_block_ms = running_mean(self.first_block_ms, first_block_ms, self.first_observations)
             self.first_observations += 1
             if further_bytes > 0:
-                self.ms_per_byte = _weighed(self.ms_per_byte, further_ms / further_bytes, self.byte_observations)
+                self.ms_per_byte = running_mean(self.ms_per_byte, further_ms / further_bytes, self.byte_observations)
                 self.byte_observations += 1
 
     @property
@@ -90,10 +88,6 @@ class StoreRate:
     def expected_ms(self, blocks: int, block_bytes: int) -> float:
         """Expected time to fetch a run of ``blocks`` blocks of ``block_bytes`` stored bytes each (ms)."""
         return self.first_block_ms + max(0, blocks - 1) * block_bytes * self.ms_per_byte
-
-
-def _weighed(mean: float, value: float, observations: int) -> float:
-    return value if not observations else mean + WEIGHT * (value - mean)
 
 
 class LookupClock:
