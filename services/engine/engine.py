@@ -138,12 +138,12 @@ class Engine:
         scheduling = options.scheduler
         if not scheduling.max_batch:
             budget = options.kv_cache_bytes or session.device.default_kv_cache_bytes
-            slot = spec.kv_bytes_per_token(session.kv_dtype.itemsize) * spec.context_length
+            per_token = spec.kv_bytes_per_token(session.kv_dtype.itemsize)
+            slot = per_token * spec.context_length
             if budget < slot:
                 log.warning("--kv-cache-bytes %d holds less than one slot (%d bytes: a whole context of %d tokens); "
                             "serving with 1 slot of %d bytes", budget, slot, spec.context_length, slot)
-            scheduling = replace(scheduling, max_batch=derived_max_batch(
-                spec.kv_bytes_per_token(session.kv_dtype.itemsize), spec.context_length, budget))
+            scheduling = replace(scheduling, max_batch=derived_max_batch(per_token, spec.context_length, budget))
         self.request_observers: list[Callable[[RequestRecord], None]] = []
         """Called on the event loop once per request that ends."""
         pace = PrefillPace(options.leases.first_ms_per_token)
