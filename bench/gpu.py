@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,6 +53,7 @@ from kvshare.v1 import generator_pb2 as pb
 from services.local.model_catalogue import fetch_model
 from services.local.worker_process import WorkerProcess
 from services.runtime.device_arrays import cuda_problem
+from services.runtime.device_choice import DeviceChoice
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_JSON = ROOT / "docs" / "gpu.json"
@@ -61,7 +61,6 @@ MODEL = "smollm2-135m-instruct"
 ROWS = 64
 PROMPT_TOKENS = 256
 FETCH_MODES = ("always", "auto")
-DEVICE = re.compile(r"cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +115,7 @@ class TTFTRow:
 def missing_gpu(device: str) -> str | None:
     """Why ``device`` (cuda or cuda:N) cannot run this benchmark here, or None when it can: what
     stops a worker (``cuda_problem``), or a GenAI without CUDA."""
-    if problem := cuda_problem(int(device.partition(":")[2] or 0)):
+    if problem := cuda_problem(DeviceChoice.parse(device).index):
         return problem
     try:
         import onnxruntime_genai as og
@@ -137,8 +136,7 @@ def genai_engine(model: BenchModel, device: str) -> GenAIEngine:
     """og.Engine with ``ROWS`` static-batching rows, on the folder's CPU provider or on CUDA."""
     if device == "cpu":
         return GenAIEngine(model, ROWS)
-    index = device.partition(":")[2]
-    return GenAIEngine(model, ROWS, "cuda", {"device_id": index} if index else None)
+    return GenAIEngine(model, ROWS, "cuda", {"device_id": str(DeviceChoice.parse(device).index)})
 
 
 def decode_rows(model: BenchModel, genai: GenAIEngine, device: str, plan: Plan) -> list[DecodeRow]:
@@ -212,9 +210,17 @@ def environment(device: str) -> dict[str, str]:
     if device != "cpu":
         import cupy
 
-        properties = cupy.cuda.runtime.getDeviceProperties(int(device.partition(":")[2] or 0))
+        properties = cupy.cuda.runtime.getDeviceProperties(DeviceChoice.parse(device).index)
         found |= {"gpu": properties["name"].decode(), "cupy": cupy.__version__}
     return found
+
+
+def _names_a_device(text: str) -> bool:
+    """cpu, cuda or cuda:N as the worker reads ``--device`` (``auto`` is no device to measure)."""
+    try:
+        return DeviceChoice.parse(text).kind != "auto"
+    except ValueError:
+        return False
 
 
 def main() -> int:
@@ -226,7 +232,7 @@ def main() -> int:
                                  "none for a smoke run)")
 
     args = parse_args(__doc__.splitlines()[0], options)
-    if not DEVICE.fullmatch(args.device):
+    if not _names_a_device(args.device):
         print(f"bench.gpu: --device {args.device!r} is not cuda, cuda:N or cpu", file=sys.stderr)
         return 2
     if args.device != "cpu" and (reason := missing_gpu(args.device)):
