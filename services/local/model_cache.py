@@ -41,7 +41,8 @@ def _fingerprint(folder: Path) -> str:
     """The model's own fingerprint (its graph) and a hash of the folder's other files (config,
     tokenizer, chat template), so that an edit to any of them is noticed."""
     digest = hashlib.sha256(load_model_spec(folder).fingerprint.encode())
-    for name in ("genai_config.json", "tokenizer.json", "tokenizer_config.json"):
+    for name in ("genai_config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                 "preprocessor_config.json"):
         path = folder / name
         digest.update(name.encode() + b"\0" + (path.read_bytes() if path.exists() else b""))
     return digest.hexdigest()

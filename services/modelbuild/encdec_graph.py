@@ -26,13 +26,13 @@ PAST_SELF_KEY, PAST_SELF_VALUE = "past_key_self_%d", "past_value_self_%d"
 PRESENT_SELF_KEY, PRESENT_SELF_VALUE = "present_key_self_%d", "present_value_self_%d"
 
 
-def _heads(g: GraphWriter, x: str, name: str) -> str:
+def split_heads(g: GraphWriter, x: str, name: str) -> str:
     """[b, s, heads*head] -> [b, heads, s, head]."""
     split = g.node("Reshape", [x, "heads_shape"], f"{name}_split")
     return g.node("Transpose", [split], f"{name}_heads", perm=[0, 2, 1, 3])
 
 
-def _attend(g: GraphWriter, q: str, k: str, v: str, name: str, scale: float, mask: str | None = None) -> str:
+def attend(g: GraphWriter, q: str, k: str, v: str, name: str, scale: float, mask: str | None = None) -> str:
     """softmax(q k^T * scale + mask) v with q, k, v ``[b, heads, s, head]``; returns ``[b, s, hidden]``."""
     scores = g.node("MatMul", [q, g.node("Transpose", [k], f"{name}_kT", perm=[0, 1, 3, 2])], f"{name}_scores")
     scores = g.node("Mul", [scores, g.const(f"{name}_scale", np.array(scale, np.float32))], f"{name}_scaled")
@@ -45,7 +45,7 @@ def _attend(g: GraphWriter, q: str, k: str, v: str, name: str, scale: float, mas
 
 def _project_heads(g: GraphWriter, x: str, weight: str, name: str, width: int, std: float) -> str:
     """``x @ weight`` split into heads: ``[b, heads, s, head]``."""
-    return _heads(g, g.node("MatMul", [x, g.weight(weight, (width, width), std)], name), name)
+    return split_heads(g, g.node("MatMul", [x, g.weight(weight, (width, width), std)], name), name)
 
 
 def _add_projected(g: GraphWriter, x: str, attn: str, weight: str, name: str, width: int, std: float) -> str:
@@ -68,16 +68,40 @@ def _mlp_block(g: GraphWriter, x: str, prefix: str, shape: EncoderDecoderShape) 
     return g.node("Add", [x, mlp], f"{prefix}.mlp_residual")
 
 
-def _common_consts(g: GraphWriter, shape: EncoderDecoderShape) -> None:
-    g.const("heads_shape", np.array([0, 0, shape.num_heads, shape.head_size], np.int64))
-    g.const("merge_shape", np.array([0, 0, shape.hidden_size], np.int64))
+def common_consts(g: GraphWriter, heads: int, head_size: int) -> None:
+    """The reshape targets ``split_heads`` and ``attend`` use."""
+    g.const("heads_shape", np.array([0, 0, heads, head_size], np.int64))
+    g.const("merge_shape", np.array([0, 0, heads * head_size], np.int64))
+
+
+def _scalars(g: GraphWriter) -> None:
     g.const("zero_i64", np.array(0, np.int64))
     g.const("one_i64", np.array(1, np.int64))
 
 
+def causal_positions(g: GraphWriter, past_key: str) -> tuple[str, str]:
+    """(positions past..past+s-1 ``[s]``, a causal mask ``[s, past+s]`` letting query i see keys
+    0..past+i), the past's length read from ``past_key`` ``[b, heads, past, head]``."""
+    _scalars(g)
+    g.const("axis_0", np.array([0], np.int64))
+    g.const("axis_1", np.array([1], np.int64))
+    past_len = g.node("Gather", [g.node("Shape", [past_key], "past_shape"), g.const("axis_2", np.array(2, np.int64))],
+                      "past_len", axis=0)
+    new_len = g.node("Gather", [g.node("Shape", ["input_ids"], "ids_shape"), "one_i64"], "new_len", axis=0)
+    total = g.node("Add", [past_len, new_len], "total_len")
+    pos_ids = g.node("Range", [past_len, total, "one_i64"], "pos_ids")
+    key_pos = g.node("Unsqueeze", [g.node("Range", ["zero_i64", total, "one_i64"], "key_pos_1d"), "axis_0"], "key_pos")
+    query_pos = g.node("Unsqueeze", [pos_ids, "axis_1"], "query_pos")
+    visible = g.node("LessOrEqual", [key_pos, query_pos], "visible")
+    mask = g.node("Where", [visible, g.const("mask_open", np.array(0.0, np.float32)),
+                            g.const("mask_closed", np.array(-1e9, np.float32))], "causal_mask")
+    return pos_ids, mask
+
+
 def build_encoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.ModelProto:
     h, std, scale = shape.hidden_size, shape.init_std, shape.head_size ** -0.5
-    _common_consts(g, shape)
+    common_consts(g, shape.num_heads, shape.head_size)
+    _scalars(g)
     length = g.node("Gather", [g.node("Shape", ["input_ids"], "enc_ids_shape"), "one_i64"], "enc_len", axis=0)
     pos_ids = g.node("Range", ["zero_i64", length, "one_i64"], "enc_pos_ids")
     x = _embed(g, "encoder", shape, shape.encoder_context_length, pos_ids)
@@ -85,7 +109,7 @@ def build_encoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.Mode
         p = f"encoder.layers.{layer}"
         normed = g.rms_norm(x, f"{p}.input_layernorm", h, shape.rms_eps)
         q, k, v = (_project_heads(g, normed, f"{p}.attn.{t}_proj.weight", f"{p}.{t}", h, std) for t in "qkv")
-        attn = _attend(g, q, k, v, f"{p}.attn", scale)
+        attn = attend(g, q, k, v, f"{p}.attn", scale)
         x = _mlp_block(g, _add_projected(g, x, attn, f"{p}.attn.o_proj.weight", f"{p}.attn", h, std), p, shape)
     hidden = g.rms_norm(x, "encoder.norm", h, shape.rms_eps)
     cross_dims = ["batch_size", shape.num_heads, "encoder_sequence_length", shape.head_size]
@@ -103,7 +127,7 @@ def build_encoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.Mode
 
 def build_decoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.ModelProto:
     h, std, scale = shape.hidden_size, shape.init_std, shape.head_size ** -0.5
-    _common_consts(g, shape)
+    common_consts(g, shape.num_heads, shape.head_size)
     self_dims = ["batch_size", shape.num_heads, "past_sequence_length", shape.head_size]
     present_dims = ["batch_size", shape.num_heads, "total_sequence_length", shape.head_size]
     cross_dims = ["batch_size", shape.num_heads, "encoder_sequence_length", shape.head_size]
@@ -115,20 +139,7 @@ def build_decoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.Mode
         outputs += [helper.make_tensor_value_info(t % layer, TensorProto.FLOAT, present_dims)
                     for t in (PRESENT_SELF_KEY, PRESENT_SELF_VALUE)]
 
-    # Positions past..past+s-1, and a causal mask letting query i see keys 0..past+i.
-    g.const("axis_0", np.array([0], np.int64))
-    g.const("axis_1", np.array([1], np.int64))
-    past_len = g.node("Gather", [g.node("Shape", [PAST_SELF_KEY % 0], "past_shape"), g.const("axis_2", np.array(2, np.int64))],
-                      "past_len", axis=0)
-    new_len = g.node("Gather", [g.node("Shape", ["input_ids"], "ids_shape"), "one_i64"], "new_len", axis=0)
-    total = g.node("Add", [past_len, new_len], "total_len")
-    pos_ids = g.node("Range", [past_len, total, "one_i64"], "pos_ids")
-    key_pos = g.node("Unsqueeze", [g.node("Range", ["zero_i64", total, "one_i64"], "key_pos_1d"), "axis_0"], "key_pos")
-    query_pos = g.node("Unsqueeze", [pos_ids, "axis_1"], "query_pos")
-    visible = g.node("LessOrEqual", [key_pos, query_pos], "visible")
-    mask = g.node("Where", [visible, g.const("mask_open", np.array(0.0, np.float32)),
-                            g.const("mask_closed", np.array(-1e9, np.float32))], "causal_mask")
-
+    pos_ids, mask = causal_positions(g, PAST_SELF_KEY % 0)
     x = _embed(g, "decoder", shape, shape.context_length, pos_ids)
     for layer in range(shape.decoder_layers):
         p = f"decoder.layers.{layer}"
@@ -136,11 +147,11 @@ def build_decoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.Mode
         q, k, v = (_project_heads(g, normed, f"{p}.self_attn.{t}_proj.weight", f"{p}.{t}", h, std) for t in "qkv")
         present_k = g.node("Concat", [PAST_SELF_KEY % layer, k], PRESENT_SELF_KEY % layer, axis=2)
         present_v = g.node("Concat", [PAST_SELF_VALUE % layer, v], PRESENT_SELF_VALUE % layer, axis=2)
-        attn = _attend(g, q, present_k, present_v, f"{p}.self_attn", scale, mask)
+        attn = attend(g, q, present_k, present_v, f"{p}.self_attn", scale, mask)
         x = _add_projected(g, x, attn, f"{p}.self_attn.o_proj.weight", f"{p}.self_attn", h, std)
         normed = g.rms_norm(x, f"{p}.cross_layernorm", h, shape.rms_eps)
         cq = _project_heads(g, normed, f"{p}.cross_attn.q_proj.weight", f"{p}.cq", h, std)
-        cross = _attend(g, cq, PAST_CROSS_KEY % layer, PAST_CROSS_VALUE % layer, f"{p}.cross_attn", scale)
+        cross = attend(g, cq, PAST_CROSS_KEY % layer, PAST_CROSS_VALUE % layer, f"{p}.cross_attn", scale)
         x = _mlp_block(g, _add_projected(g, x, cross, f"{p}.cross_attn.o_proj.weight", f"{p}.cross_attn", h, std), p, shape)
     normed = g.rms_norm(x, "decoder.norm", h, shape.rms_eps)
     # RMSNorm output has unit scale, so a head with std logit_std/sqrt(h) gives logits of std logit_std.

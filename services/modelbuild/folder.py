@@ -63,11 +63,11 @@ def genai_config(shape: DecoderShape, layout: KVLayout, bos: int, eos: int, pad:
             "type": "llama" if layout is KVLayout.SEPARATE else "gpt2",
             "vocab_size": shape.vocab_size,
         },
-        "search": _search(shape.context_length, share_buffer=layout is KVLayout.SEPARATE),
+        "search": search_options(shape.context_length, share_buffer=layout is KVLayout.SEPARATE),
     }
 
 
-def _search(context_length: int, share_buffer: bool) -> dict:
+def search_options(context_length: int, share_buffer: bool) -> dict:
     return {
         "diversity_penalty": 0.0,
         "do_sample": False,
@@ -125,7 +125,7 @@ def encoder_decoder_config(shape: EncoderDecoderShape, bos: int, eos: int, pad: 
             "type": "t5",
             "vocab_size": shape.vocab_size,
         },
-        "search": _search(shape.context_length, share_buffer=False),
+        "search": search_options(shape.context_length, share_buffer=False),
     }
 
 
