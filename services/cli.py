@@ -164,6 +164,12 @@ def top_k(text: str) -> int:
     return 0 if text.strip() == "-1" else count(text)
 
 
+def suppressed_id(text: str) -> int:
+    """--suppress-token-id and --begin-suppress-token-id: a token id, or -1 (given alone: none, not
+    the model folder's default)."""
+    return -1 if text.strip() == "-1" else count(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshare", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -206,6 +212,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print each token's log-probability and its TOP likeliest alternatives (0-20)")
     gen.add_argument("--stop", action="append", default=[], help="stop string, one per flag (repeat the flag for several)")
     gen.add_argument("--stop-token-id", action="append", type=count, default=[], help="token id that ends generation (repeatable)")
+    for flag, when in (("--suppress-token-id", "any token"), ("--begin-suppress-token-id", "the first token")):
+        gen.add_argument(flag, action="append", type=suppressed_id, default=[],
+                         help=f"token id never generated as {when} (repeatable; unset: the model folder's "
+                              "generation_config.json default; -1 alone: none)")
     gen.add_argument("--include-stop-str", action="store_true", help="keep the matched stop string at the end of the text")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--salt", default="", help="cache salt: requests with different salts never share cached blocks")
