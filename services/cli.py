@@ -146,6 +146,10 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.whisper:
+        from services.local.whisper_demo import run_whisper_demo
+
+        return run_whisper_demo(args.model)
     from services.local.demo import run_demo
 
     return run_demo(args.model, args.max_new_tokens)
@@ -302,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", type=Path, default=None,
                       help="model folder (default: SmolLM2-135M-Instruct, fetched and converted on first use)")
     demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer at most")
+    demo.add_argument("--whisper", action="store_true",
+                      help="the speech demo instead: Whisper tiny.en transcribes a clip on one replica, the other "
+                           "decodes it again from the shared cross-attention K/V (--model: a Whisper folder)")
     demo.set_defaults(func=_demo)
     return parser
 

@@ -91,11 +91,9 @@ class InputProcessor:
         self._check_generation_fields(request)
         suppress, begin_suppress = self._suppressed(request)
         encoder_input = encoder_array(request.encoder, self.spec, self.tokenizer, self._encoder)
-        if encoder_input is not None and not request.prompt and not request.prompt_token_ids:
-            # An encoder-decoder model's decoder starts from its start token when given no prompt.
-            if self.spec.decoder_start_token_id is None:
-                raise InvalidRequest("prompt", f"model {self.spec.name} names no decoder start token: give a decoder prompt")
-            ids = [self.spec.decoder_start_token_id]
+        if encoder_input is not None and not request.prompt_token_ids and (
+                not request.prompt or self.generation_defaults.previous_text_token is not None):
+            ids = self._start_sequence(request)
         else:
             ids = self._prompt_ids(request)
         if len(ids) + request.max_new_tokens > self.spec.context_length:
@@ -267,6 +265,22 @@ class InputProcessor:
             ids = self._checked_ids("token_ids", request.token_ids)
             return TokenizeResult(ids, self.tokenizer.decode(ids))
         return TokenizeResult(self.tokenizer.encode(request.text or ""), request.text or "")
+
+    def _start_sequence(self, request: GenerationRequest) -> list[int]:
+        """An encoder-decoder model's decoder prompt when the request gives no prompt ids: the
+        folder's start sequence (else its decoder start token), after the prompt text as
+        previous-text context where the folder has such a token (Whisper: ``<|startofprev|>`` and
+        the text's last context_length / 2 - 1 tokens, a space before it, as faster-whisper)."""
+        defaults = self.generation_defaults
+        start = list(defaults.decoder_prompt) or [self.spec.decoder_start_token_id]
+        if start[0] is None:
+            raise InvalidRequest("prompt", f"model {self.spec.name} names no decoder start token: give a decoder prompt")
+        if not request.prompt:
+            return start
+        if request.messages:
+            raise InvalidRequest("prompt", "set one of prompt, prompt_token_ids and messages")
+        context = self.tokenizer.encode(" " + request.prompt.strip())[-(self.spec.context_length // 2 - 1):]
+        return [defaults.previous_text_token, *context, *start]
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if sum(map(bool, (request.prompt, request.prompt_token_ids, request.messages))) > 1:

@@ -1,5 +1,8 @@
 """A model folder's generation defaults: the optional Hugging Face-style ``generation_config.json``
-beside the ONNX files, of which kvshare reads the fields that a request may leave unset.
+beside the ONNX files, of which kvshare reads the fields that a request may leave unset, and
+(encoder-decoder models) the decoder's start sequence: ``decoder_start_token_id`` then
+``forced_decoder_ids`` (Hugging Face's ``[[position, id], ...]``, positions 1, 2, ... in order)
+and ``prev_sot_token_id``, the token before previous-text context (Whisper's ``<|startofprev|>``).
 
 A folder without the file has no defaults. The file's other fields (sampling settings, lengths)
 are not read: a request states those itself.
@@ -25,6 +28,12 @@ class GenerationDefaults:
     """Ids masked at every generated token (the request's ``suppress_token_ids``)."""
     begin_suppress_tokens: tuple[int, ...] = ()
     """Ids masked at the first generated token (the request's ``begin_suppress_token_ids``)."""
+    decoder_prompt: tuple[int, ...] = ()
+    """The decoder's start sequence when the request gives no prompt ids (empty: the config's
+    decoder start token alone)."""
+    previous_text_token: int | None = None
+    """Set for models whose text prompt is context before the start sequence (Whisper): the
+    request's ``prompt`` text becomes ``[previous_text_token, *text ids, *decoder_prompt]``."""
 
     @classmethod
     def from_folder(cls, folder: Path, vocab_size: int) -> GenerationDefaults:
@@ -39,8 +48,22 @@ class GenerationDefaults:
             raise ModelLoadError(f"{path}: unreadable ({exc})") from exc
         if not isinstance(config, dict):
             raise ModelLoadError(f"{path}: must hold a JSON object, got {type(config).__name__}")
-        return cls(**{name: _token_ids(path, config, name, vocab_size)
-                      for name in ("suppress_tokens", "begin_suppress_tokens")})
+        lists = {name: _token_ids(path, config, name, vocab_size) for name in ("suppress_tokens", "begin_suppress_tokens")}
+        start, previous = (_token_id(path, config, name, vocab_size) for name in ("decoder_start_token_id", "prev_sot_token_id"))
+        forced = config.get("forced_decoder_ids") or []
+        if not isinstance(forced, list) or any(not isinstance(f, list) or len(f) != 2 for f in forced):
+            raise ModelLoadError(f"{path}: forced_decoder_ids must be a list of [position, token id] pairs")
+        if [f[0] for f in forced] != list(range(1, len(forced) + 1)) or (forced and start is None):
+            raise ModelLoadError(f"{path}: forced_decoder_ids must force positions 1, 2, ... in order after a "
+                                 f"decoder_start_token_id, got {forced}")
+        forced_ids = _token_ids(path, {"forced_decoder_ids": [f[1] for f in forced]}, "forced_decoder_ids", vocab_size)
+        return cls(**lists, decoder_prompt=(start, *forced_ids) if forced_ids else (), previous_text_token=previous)
+
+
+def _token_id(path: Path, config: dict, name: str, vocab_size: int) -> int | None:
+    """``config[name]``: one id in the vocabulary, or None where absent or null."""
+    ids = _token_ids(path, {name: [config[name]]} if config.get(name) is not None else {}, name, vocab_size)
+    return ids[0] if ids else None
 
 
 def _token_ids(path: Path, config: dict, name: str, vocab_size: int) -> tuple[int, ...]:
