@@ -16,8 +16,8 @@ faster-whisper's 16-bit decode clips louder float samples.
 
 Every refusal is a ``WavError`` whose message names what was found and what would be accepted.
 The duration is checked from the header, before any sample is converted. Memory: the samples
-converted to float (twice the data's bytes for 16-bit PCM, once for float) and the resampler's
-output and blocks; nothing is sized by a header's claim.
+converted to float (twice the data's bytes for 16-bit PCM, once for float), then the resampler's
+padded copy, output and blocks: a few times the bytes present, never sized by a header's claim.
 """
 
 from __future__ import annotations
