@@ -93,6 +93,7 @@ def generate_requests(draw) -> pb.GenerateRequest:
             request.encoder_prompt_token_ids.extend(draw(token_ids))
             request.encoder_features.shape.extend(draw(st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4)))
             request.encoder_features.dtype = draw(st.sampled_from(["float32", "float16", "int8", ""]))
+            request.encoder_audio = draw(st.binary(max_size=64))
     return request
 
 
