@@ -79,6 +79,13 @@ def _generate(args: argparse.Namespace) -> int:
     return 2 if connection is None else generate_main(connection, generate_request(args), args.timeout_s)
 
 
+def _transcribe(args: argparse.Namespace) -> int:
+    from services.transcribe import transcribe_main
+
+    connection = _connection(args, "transcribe")
+    return 2 if connection is None else transcribe_main(connection, args)
+
+
 def _connection(args: argparse.Namespace, command: str):
     """The client's Connection from its flags, or None after one line on stderr saying what is wrong."""
     from services.client import Connection, ConnectionSettingsError
@@ -139,6 +146,10 @@ def _fetch_model(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    if args.whisper:
+        from services.local.whisper_demo import run_whisper_demo
+
+        return run_whisper_demo(args.model)
     from services.local.demo import run_demo
 
     return run_demo(args.model, args.max_new_tokens)
@@ -155,6 +166,12 @@ def count(text: str) -> int:
 def top_k(text: str) -> int:
     """--top-k: a count, or -1 for no filter as in vLLM (the same as 0)."""
     return 0 if text.strip() == "-1" else count(text)
+
+
+def suppressed_id(text: str) -> int:
+    """--suppress-token-id and --begin-suppress-token-id: a token id, or -1 (given alone: none, not
+    the model folder's default)."""
+    return -1 if text.strip() == "-1" else count(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -199,12 +216,38 @@ def build_parser() -> argparse.ArgumentParser:
                      help="print each token's log-probability and its TOP likeliest alternatives (0-20)")
     gen.add_argument("--stop", action="append", default=[], help="stop string, one per flag (repeat the flag for several)")
     gen.add_argument("--stop-token-id", action="append", type=count, default=[], help="token id that ends generation (repeatable)")
+    for flag, when in (("--suppress-token-id", "any token"), ("--begin-suppress-token-id", "the first token")):
+        gen.add_argument(flag, action="append", type=suppressed_id, default=[],
+                         help=f"token id never generated as {when} (repeatable; unset: the model folder's "
+                              "generation_config.json default; -1 alone: none)")
     gen.add_argument("--include-stop-str", action="store_true", help="keep the matched stop string at the end of the text")
     gen.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     gen.add_argument("--salt", default="", help="cache salt: requests with different salts never share cached blocks")
     gen.add_argument("--encoder-prompt", default=None, help="encoder input text (encoder-decoder models)")
     gen.add_argument("--timeout-s", type=float, default=300.0, help="call deadline in seconds")
     gen.set_defaults(func=_generate)
+
+    from services.transcribe import MAX_NEW_TOKENS
+
+    tr = sub.add_parser("transcribe", help="transcribe a WAV file on a worker serving a Whisper folder",
+                        description="Sends the file's bytes (16-bit PCM or 32-bit float WAV, mono or stereo, any "
+                                    "sample rate, at most 30 s) and prints the transcript. The encoder's "
+                                    "cross-attention K/V are shared through the store: a second transcription of "
+                                    "the same samples, on any replica, runs no encoder.",
+                        formatter_class=defaults)
+    tr.add_argument("file", type=Path, help="the WAV file")
+    add_connection_flags(tr)
+    tr.add_argument("--json", action="store_true",
+                    help="print one JSON object: text, token_ids, encoder_cache_hit, ttft_ms, finish_reason")
+    tr.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    tr.add_argument("--seed", type=count, default=None, help="sampling seed (unset = random)")
+    tr.add_argument("--prompt", default=None,
+                    help="text the audio continues (names, spelling, style), given as <|startofprev|> context")
+    tr.add_argument("--n", type=count, default=1, help="independent samples (prints the first)")
+    tr.add_argument("--max-new-tokens", type=count, default=MAX_NEW_TOKENS, help="tokens to generate at most")
+    tr.add_argument("--salt", default="", help="cache salt: requests with different salts never share cached K/V")
+    tr.add_argument("--timeout-s", type=float, default=300.0, help="call deadline in seconds")
+    tr.set_defaults(func=_transcribe)
 
     chat = sub.add_parser("chat", help="talk to a worker's model on the terminal (its chat template)",
                           formatter_class=defaults)
@@ -263,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", type=Path, default=None,
                       help="model folder (default: SmolLM2-135M-Instruct, fetched and converted on first use)")
     demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer at most")
+    demo.add_argument("--whisper", action="store_true",
+                      help="the speech demo instead: Whisper tiny.en transcribes a clip on one replica, the other "
+                           "decodes it again from the shared cross-attention K/V (--model: a Whisper folder)")
     demo.set_defaults(func=_demo)
     return parser
 

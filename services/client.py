@@ -142,6 +142,7 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         encoder_prompt=args.encoder_prompt or "", n=args.n, num_beams=args.num_beams,
         logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, min_new_tokens=args.min_new_tokens,
         stop_token_ids=args.stop_token_id, include_stop_str_in_output=args.include_stop_str,
+        suppress_token_ids=args.suppress_token_id, begin_suppress_token_ids=args.begin_suppress_token_id,
         early_stopping=args.early_stopping, **({} if args.length_penalty is None else {"length_penalty": args.length_penalty}),
     )
 

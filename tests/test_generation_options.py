@@ -1,6 +1,7 @@
 """Generation options beyond plain sampling: logprobs of generated and prompt tokens, the
 repetition/presence/frequency penalties, min_p, min_new_tokens, stop token ids,
-include_stop_str_in_output, n samples and beam search.
+include_stop_str_in_output, n samples and beam search (suppressed token ids: test_suppress_tokens.py,
+which shares this file's reference).
 
 Each is checked against a reference written here from the proto's comments
 (proto/kvshare/v1/generator.proto), over full recompute: the whole token sequence runs through a
@@ -530,11 +531,13 @@ class Hypothesis:
 
 
 def reference_beam_search(ref: Reference, ids: list[int], num_beams: int, max_new: int, length_penalty: float,
-                          early_stopping: bool, ends: set[int], repetition: float = 1.0) -> tuple[list[Hypothesis], float]:
+                          early_stopping: bool, ends: set[int], repetition: float = 1.0, suppress: frozenset[int] = frozenset(),
+                          begin_suppress: frozenset[int] = frozenset()) -> tuple[list[Hypothesis], float]:
     """Beam search as the proto's comment says (Hugging Face's BeamSearchScorer): returns the
     finished hypotheses best first and the smallest gap between two scores whose order decided
     the result. ``repetition`` penalises the log-probabilities of the ids in each beam's prompt +
-    tokens (all negative, so multiplied), as Hugging Face's processor does inside beam search."""
+    tokens (all negative, so multiplied), as Hugging Face's processor does inside beam search;
+    ``suppress`` ids are -inf at every step, ``begin_suppress`` ids at the first."""
     k = num_beams
     beams: list[tuple[float, list[int]]] = [(0.0, [])]  # (sum of log-probabilities, generated tokens)
     finished: list[Hypothesis] = []
@@ -563,6 +566,7 @@ def reference_beam_search(ref: Reference, ids: list[int], num_beams: int, max_ne
             logprobs = ref.logprobs(ids + tokens).copy()
             seen = sorted(set(ids + tokens))
             logprobs[seen] = np.where(logprobs[seen] > 0, logprobs[seen] / repetition, logprobs[seen] * repetition)
+            logprobs[[*suppress, *(begin_suppress if step == 0 else ())]] = -np.inf
             candidates += [(score + logprobs[t], b, int(t)) for t in np.argsort(-logprobs)[: width + 1]]
         candidates.sort(key=lambda c: -c[0])
         kept: list[tuple[float, list[int]]] = []
@@ -712,6 +716,11 @@ BAD_OPTIONS = {
     "min_new_tokens above max_new_tokens": ({"min_new_tokens": 9}, ("min_new_tokens",)),
     "stop token id outside the vocabulary": ({"stop_token_ids": [VOCAB]}, ("stop_token_ids",)),
     "65 stop token ids": ({"stop_token_ids": list(range(3, 68))}, ("stop_token_ids",)),
+    "suppress token id outside the vocabulary": ({"suppress_token_ids": [3, VOCAB]}, ("suppress_token_ids[1]",)),
+    "-1 among begin suppress ids": ({"begin_suppress_token_ids": [5, -1]}, ("begin_suppress_token_ids[1]",)),
+    "1025 suppress token ids": ({"suppress_token_ids": list(range(1025))}, ("suppress_token_ids",)),
+    "1025 begin suppress token ids": ({"begin_suppress_token_ids": list(range(1025))}, ("begin_suppress_token_ids",)),
+    "every id suppressed": ({"suppress_token_ids": list(range(VOCAB))}, ("suppress_token_ids",)),
 }
 
 
@@ -724,6 +733,12 @@ def test_generation_options_over_grpc(stub):
 
     greedy = [t for m in messages(stub, request(ignore_eos=True)) for t in m.token_ids]
     stop_id = greedy[3]
+    masked = [t for m in messages(stub, request(ignore_eos=True, suppress_token_ids=[greedy[0]])) for t in m.token_ids]
+    assert len(masked) == 8 and greedy[0] not in masked
+    begun = [t for m in messages(stub, request(ignore_eos=True, begin_suppress_token_ids=[greedy[0]])) for t in m.token_ids]
+    assert begun[0] != greedy[0]
+    none = messages(stub, request(ignore_eos=True, suppress_token_ids=[-1], begin_suppress_token_ids=[-1]))
+    assert [t for m in none for t in m.token_ids] == greedy
     answer = messages(stub, request(ignore_eos=True, logprobs=True, top_logprobs=2, prompt_logprobs=True,
                                     stop_token_ids=[stop_id], n=0))
     assert [t for m in answer for t in m.token_ids] == greedy[:4]

@@ -76,6 +76,9 @@ class _EngineCollector(Collector):
         for direction, nbytes in engine.session.device.copied.bytes.items():
             copies.add_metric([direction], nbytes)
         yield copies
+        if engine.encoder is not None:
+            yield CounterMetricFamily("kvshare_encoder_runs", "Encoder runs (cross-attention K/V computed here, not "
+                                      "fetched from the store).", value=engine.encoder.runs)
         yield CounterMetricFamily("kvshare_prefill_tokens", "Prompt tokens computed (not served from the store).",
                                   value=stats.prefill_tokens)
         yield CounterMetricFamily("kvshare_prefill_shared_tokens",

@@ -39,7 +39,7 @@ from services.engine.generation import (
     TokenizeResult,
     TokenLogprob,
 )
-from services.engine.input_processor import MAX_STOP_TOKEN_IDS
+from services.engine.input_processor import MAX_STOP_TOKEN_IDS, MAX_SUPPRESS_TOKEN_IDS
 from services.engine.request_limits import MAX_MESSAGES
 from services.engine.sampling import SamplingConfig
 from services.errors import (
@@ -96,6 +96,20 @@ def chat_messages(messages) -> list[Message]:
     return [Message(m.role, m.content) for m in messages[: MAX_MESSAGES + 1]]
 
 
+NO_IDS = -1
+"""suppress_token_ids / begin_suppress_token_ids holding only this id: none, not the folder's default."""
+
+
+def suppressed_ids(ids) -> list[int] | None:
+    """A suppress field: None when unset (the folder's default), [] for ``[NO_IDS]``, else the ids,
+    at most one past the engine's limit (enough for it to refuse the request)."""
+    if not ids:
+        return None
+    if len(ids) == 1 and ids[0] == NO_IDS:
+        return []
+    return list(ids[: MAX_SUPPRESS_TOKEN_IDS + 1])
+
+
 def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: str = "") -> GenerationRequest:
     sampling = request.sampling
     return GenerationRequest(
@@ -140,6 +154,8 @@ def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: s
             length_penalty=request.length_penalty if request.HasField("length_penalty") else 1.0,
             early_stopping=request.early_stopping,
         ),
+        suppress_token_ids=suppressed_ids(request.suppress_token_ids),
+        begin_suppress_token_ids=suppressed_ids(request.begin_suppress_token_ids),
     )
 
 

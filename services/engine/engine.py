@@ -54,6 +54,7 @@ from services.engine.scheduler import Scheduler, SchedulerOptions
 from services.errors import ModelLoadError
 from services.runtime.chat_template import Message, load_chat_template
 from services.runtime.device_arrays import ArrayDevice
+from services.runtime.generation_config import GenerationDefaults
 from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
@@ -196,6 +197,7 @@ class Engine:
         """``device``: ``--device`` (``device_choice``; a CUDA device that cannot be used raises
         StartupError), or the arrays themselves."""
         spec = load_model_spec(model_dir)
+        defaults = GenerationDefaults.from_folder(model_dir, spec.vocab_size)
         session = DecoderSession(spec, device, intra_op_threads, intra_op_spinning)
         encoder = EncoderSession(spec, session.device, intra_op_threads, intra_op_spinning) if spec.encoder else None
         engine = cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
@@ -204,6 +206,7 @@ class Engine:
         except (ValueError, TemplateError) as exc:  # JSONDecodeError is a ValueError
             engine.close()
             raise ModelLoadError(f"{model_dir / 'tokenizer_config.json'}: unusable chat template ({exc})") from exc
+        engine.inputs.generation_defaults = defaults
         return engine
 
     def close(self) -> None:

@@ -92,16 +92,25 @@ class GenerationRequest:
     n: int = 1
     """Independent samples; sample i is seeded with ``sampling.seed + i``."""
     beams: BeamSearch = field(default_factory=BeamSearch)
+    suppress_token_ids: Sequence[int] | None = None
+    """Ids never generated (-inf at every step). None: the model folder's default
+    (``GenerationDefaults.suppress_tokens``); empty: none."""
+    begin_suppress_token_ids: Sequence[int] | None = None
+    """Ids masked at each row's first generated token only. None: the folder's default
+    (``GenerationDefaults.begin_suppress_tokens``); empty: none."""
 
 
 @dataclass(slots=True)
 class PreparedRequest:
-    """A validated request: decoder prompt ids, for encoder-decoder models the encoder input, and
-    the automaton of its stop strings (None: no stop strings)."""
+    """A validated request: decoder prompt ids, for encoder-decoder models the encoder input, the
+    automaton of its stop strings (None: no stop strings), and the ids it suppresses (int64, the
+    folder's defaults resolved; shared read-only by its rows)."""
 
     ids: list[int]
     encoder_input: np.ndarray | None
     stops: StopMatcher | None = None
+    suppress: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+    begin_suppress: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
 
 
 @dataclass(slots=True)

