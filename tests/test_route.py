@@ -46,6 +46,8 @@ GENERATE = "/kvshare.v1.Generator/Generate"
 # Longer than the 256 bytes that route a prompt: prompts that differ only after it share a worker.
 SYSTEM = "You are the support assistant of a bicycle shop. Answer briefly and politely. " * 4
 LOG_TIMEOUT_S = 30.0
+MESSAGE_CAP = 4 * 1024 * 1024
+"""The fleet's --max-message-bytes, set rather than left to the default (32 MiB, room for audio)."""
 
 
 @dataclass
@@ -169,11 +171,14 @@ def test_rendezvous_moves_only_the_removed_workers_keys_and_respects_the_load_bo
 
 @pytest.fixture(scope="module")
 def fleet(tiny_model, redis_server):
-    """Two workers sharing one Redis, and a router in front of them (health checked every 0.2 s)."""
-    args = ("--cache", redis_server.url, "--max-new-tokens-cap", "1000", "--max-unread-tokens", "8")
+    """Two workers sharing one Redis, and a router in front of them (health checked every 0.2 s);
+    all three cap messages at 4 MiB, below the 5 MB prompt that must get RESOURCE_EXHAUSTED."""
+    args = ("--cache", redis_server.url, "--max-new-tokens-cap", "1000", "--max-unread-tokens", "8",
+            "--max-message-bytes", str(MESSAGE_CAP))
     workers = start_workers(tiny_model, args, args)
     try:
-        with RouterProcess([w.target for w in workers], "--health-interval-s", "0.2") as router:
+        with RouterProcess([w.target for w in workers], "--health-interval-s", "0.2",
+                           "--max-message-bytes", str(MESSAGE_CAP)) as router:
             yield workers, router
     finally:
         for w in workers:

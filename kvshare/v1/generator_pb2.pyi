@@ -69,7 +69,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "max_new_tokens", "sampling", "stop", "ignore_eos", "cache", "encoder_prompt", "encoder_prompt_token_ids", "encoder_features", "min_new_tokens", "stop_token_ids", "include_stop_str_in_output", "logprobs", "top_logprobs", "prompt_logprobs", "n", "num_beams", "length_penalty", "early_stopping", "suppress_token_ids", "begin_suppress_token_ids")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "messages", "max_new_tokens", "sampling", "stop", "ignore_eos", "cache", "encoder_prompt", "encoder_prompt_token_ids", "encoder_features", "min_new_tokens", "stop_token_ids", "include_stop_str_in_output", "logprobs", "top_logprobs", "prompt_logprobs", "n", "num_beams", "length_penalty", "early_stopping", "suppress_token_ids", "begin_suppress_token_ids", "encoder_audio")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +94,7 @@ class GenerateRequest(_message.Message):
     EARLY_STOPPING_FIELD_NUMBER: _ClassVar[int]
     SUPPRESS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BEGIN_SUPPRESS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ENCODER_AUDIO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -118,7 +119,8 @@ class GenerateRequest(_message.Message):
     early_stopping: bool
     suppress_token_ids: _containers.RepeatedScalarFieldContainer[int]
     begin_suppress_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., cache: _Optional[_Union[CacheOptions, _Mapping]] = ..., encoder_prompt: _Optional[str] = ..., encoder_prompt_token_ids: _Optional[_Iterable[int]] = ..., encoder_features: _Optional[_Union[Tensor, _Mapping]] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ..., begin_suppress_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    encoder_audio: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., cache: _Optional[_Union[CacheOptions, _Mapping]] = ..., encoder_prompt: _Optional[str] = ..., encoder_prompt_token_ids: _Optional[_Iterable[int]] = ..., encoder_features: _Optional[_Union[Tensor, _Mapping]] = ..., min_new_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., include_stop_str_in_output: _Optional[bool] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., num_beams: _Optional[int] = ..., length_penalty: _Optional[float] = ..., early_stopping: _Optional[bool] = ..., suppress_token_ids: _Optional[_Iterable[int]] = ..., begin_suppress_token_ids: _Optional[_Iterable[int]] = ..., encoder_audio: _Optional[bytes] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")

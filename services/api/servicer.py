@@ -137,6 +137,7 @@ def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: s
                 shape=request.encoder_features.shape, dtype=request.encoder_features.dtype,
                 data=request.encoder_features.data,
             ) if request.HasField("encoder_features") else None,
+            audio=request.encoder_audio or None,
         ),
         cache=CacheControl(
             skip_read=request.cache.skip_read, skip_write=request.cache.skip_write, salt=request.cache.salt

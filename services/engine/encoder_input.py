@@ -1,5 +1,7 @@
 """The encoder input of an encoder-decoder request: validated and turned into the array the
-encoder takes (token ids ``[1, tokens]`` or float features of the model's shape)."""
+encoder takes (token ids ``[1, tokens]``, or float features of the model's shape, given as such or
+computed from WAV audio by the model's ``AudioFeatures``). Runs on a tokenizer thread: decoding and
+resampling audio never holds the event loop."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.audio.wav import WavError, decode_wav
 from services.errors import InvalidRequest, RequestOutOfRange
 from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_encoder import EncoderSession
@@ -28,16 +31,18 @@ class EncoderFeatures:
 
 @dataclass(slots=True)
 class EncoderRequest:
-    """At most one of the three is set by a client; validation enforces exactly one."""
+    """At most one of the four is set by a client; validation enforces exactly one."""
 
     prompt: str | None = None
     token_ids: Sequence[int] | None = None
     features: EncoderFeatures | None = None
+    audio: bytes | None = None
+    """A WAV file (``services.audio.wav`` says which), for a model with ``ModelSpec.audio``."""
 
     @property
     def given(self) -> list[str]:
         names = {"encoder_prompt": self.prompt, "encoder_prompt_token_ids": self.token_ids,
-                 "encoder_features": self.features}
+                 "encoder_features": self.features, "encoder_audio": self.audio}
         return [name for name, value in names.items() if value]
 
 
@@ -56,9 +61,20 @@ def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextToken
     if len(given) != 1:
         detail = "is required" if not given else f"got {', '.join(given)}"
         raise InvalidRequest("encoder_prompt", f"model {spec.name} is encoder-decoder: exactly one of "
-                             f"encoder_prompt, encoder_prompt_token_ids, encoder_features {detail}")
+                             f"encoder_prompt, encoder_prompt_token_ids, encoder_features, encoder_audio {detail}")
     field = given[0]
-    if request.features is not None:
+    if request.audio:
+        if spec.audio is None or encoder.takes_token_ids:
+            takes = "encoder_prompt or encoder_prompt_token_ids" if encoder.takes_token_ids else "encoder_features"
+            raise InvalidRequest(field, f"model {spec.name} takes no audio (its folder has no preprocessor_config.json "
+                                 f"for a float-input encoder): send {takes}")
+        try:
+            samples = decode_wav(request.audio, spec.audio.sampling_rate, spec.audio.max_seconds)
+        except WavError as exc:
+            raise InvalidRequest(field, str(exc)) from None
+        # The server makes these features, so they take the encoder's float type (a float16 export).
+        array = spec.audio.log_mel(samples).astype(encoder.input_dtype, copy=False)
+    elif request.features is not None:
         if encoder.takes_token_ids:
             raise InvalidRequest(field, "this encoder takes token ids: use encoder_prompt or encoder_prompt_token_ids")
         f = request.features

@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from services.audio.wav import MAX_RATE, max_wav_bytes
 from services.engine.generation import GenerationRequest
 from services.errors import InvalidRequest
 from services.runtime.chat_template import Message
@@ -57,6 +58,9 @@ class RequestLimits:
     """Stop strings per request."""
     stop_string_bytes: int
     """UTF-8 bytes of one stop string."""
+    audio_seconds: float = 0.0
+    """The longest ``encoder_audio`` the model takes, which bounds its bytes (``max_wav_bytes``);
+    0 for a model that takes no audio (``encoder_array`` refuses it unread)."""
 
     def check_generation(self, request: GenerationRequest) -> None:
         """Every size of a Generate request, in the order a client would fix them."""
@@ -66,6 +70,10 @@ class RequestLimits:
             raise InvalidRequest("cache.salt", f"{len(request.cache.salt)} characters; at most {MAX_SALT_CHARS}")
         self.check_prompt("prompt", request.prompt, request.messages)
         self.check_prompt("encoder_prompt", request.encoder.prompt, None)
+        audio = request.encoder.audio
+        if audio and self.audio_seconds and len(audio) > (most := max_wav_bytes(self.audio_seconds)):
+            raise InvalidRequest("encoder_audio", f"{len(audio)} bytes; at most {most} (a WAV file of at most "
+                                 f"{self.audio_seconds:g} s, stereo 32-bit float at {MAX_RATE} Hz, and metadata)")
         if len(request.stop) > self.stop_strings:
             raise InvalidRequest("stop", f"at most {self.stop_strings} stop strings, got more (the worker's "
                                  "--max-stop-strings, env KVSHARE_MAX_STOP_STRINGS)")
@@ -108,6 +116,7 @@ def limits_for(spec: ModelSpec, tokenizer: TextTokenizer, max_prompt_bytes: int,
             log.warning("the tokenizer's %s can drop or shorten text, so no prompt size is too large to fit the "
                         "context; prompts are limited to %d bytes (--max-prompt-bytes sets another limit)",
                         token_bytes.shrinker, prompt_bytes)
-    log.info("requests: prompts up to %d bytes (%s), %d stop strings of up to %d bytes", prompt_bytes, origin,
-             max_stop_strings, max_stop_string_bytes)
-    return RequestLimits(prompt_bytes, origin, max_stop_strings, max_stop_string_bytes)
+    audio_seconds = spec.audio.max_seconds if spec.audio else 0.0
+    log.info("requests: prompts up to %d bytes (%s), %d stop strings of up to %d bytes%s", prompt_bytes, origin,
+             max_stop_strings, max_stop_string_bytes, f", audio up to {audio_seconds:g} s" if audio_seconds else "")
+    return RequestLimits(prompt_bytes, origin, max_stop_strings, max_stop_string_bytes, audio_seconds)

@@ -37,7 +37,7 @@ class RouteSettings(FlagSettings):
     health_timeout_s: float = field(default=1.0, metadata={"min": 0.01, "help": "Deadline of one health check; past it the worker counts as unhealthy."})
     route_prefix_bytes: int = field(default=256, metadata={"min": 1, "help": "Leading UTF-8 bytes of a prompt (or of its messages' roles and contents) that choose its worker: requests that agree on them go to the same worker."})
     max_streams_per_worker: int = field(default=0, metadata={"min": 0, "help": "Generate streams this router keeps open to one worker before sending a prefix to its next-best worker (the least loaded when all are at the bound); 0 = no bound."})
-    max_message_bytes: int = field(default=4 * 1024 * 1024, metadata={"min": 1, "help": "Largest request message; larger ones are refused with RESOURCE_EXHAUSTED. Keep it equal to the workers' --max-message-bytes."})
+    max_message_bytes: int = field(default=32 * 1024 * 1024, metadata={"min": 1, "help": "Largest request message; larger ones are refused with RESOURCE_EXHAUSTED. Keep it equal to the workers' --max-message-bytes (32 MiB by default: room for a request's audio)."})
     not_serving_s: float = field(default=2.0, metadata={"min": 0.0, "max": 3600.0, "help": "On SIGTERM, seconds to keep forwarding calls while health reports NOT_SERVING, so balancers stop sending here first."})
     drain_s: float = field(default=20.0, metadata={"min": 0.0, "max": 86400.0, "help": "On SIGTERM, seconds in-flight streams get to finish before the router stops."})
     log_level: str = field(default="INFO", metadata={"help": "Python logging level."})

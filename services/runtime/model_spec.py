@@ -12,6 +12,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.audio.log_mel import AudioFeatures
 from services.errors import ModelLoadError
 from services.runtime.kv_layout import KVLayout
 
@@ -81,6 +82,9 @@ class ModelSpec:
     """Set for encoder-decoder models."""
     decoder_start_token_id: int | None = None
     """First decoder token of an encoder-decoder model when the request has no decoder prompt."""
+    audio: AudioFeatures | None = None
+    """How audio becomes the encoder's input, for an encoder-decoder model whose folder has a
+    preprocessor_config.json (Whisper); None: the model takes no audio."""
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Self-attention K/V bytes one token occupies: 2 x layers x kv_heads x head_size x element."""
@@ -181,6 +185,7 @@ def load_model_spec(folder: Path) -> ModelSpec:
             fingerprint=fingerprint(files, shaping),
             encoder=encoder,
             decoder_start_token_id=model.get("decoder_start_token_id", model.get("bos_token_id")),
+            audio=AudioFeatures.from_folder(folder) if encoder is not None else None,
         )
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{exc.filename}: not found; a model folder needs genai_config.json and its ONNX file") from exc
