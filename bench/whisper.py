@@ -66,7 +66,8 @@ CROSS_KEYS = KEY_PREFIX + "xkv:*"
 
 @dataclass(frozen=True, slots=True)
 class Timed:
-    """One transcript and the client's wall time for it, in ms (request sent to last token read)."""
+    """One transcript and its wall time in ms: kvshare's at the client (request sent to last token
+    read, gRPC included), faster-whisper's inside its process (file decoding included)."""
 
     ms: float
     token_ids: tuple[int, ...]
@@ -188,8 +189,8 @@ class Kvshare:
 
 def clip_files(folder: Path) -> list[Path]:
     """The folder's WAV files, in natural order (clip2 before clip10)."""
-    natural = lambda p: [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", p.name)]  # noqa: E731
-    return sorted(folder.glob("*.wav"), key=natural)
+    return sorted(folder.glob("*.wav"), key=lambda p: [int(part) if part.isdigit() else part
+                                                      for part in re.split(r"(\d+)", p.name)])
 
 
 def measure(kvshare: Kvshare, peer: FasterWhisper | None, clips: Sequence[Path], runs: int) -> list[ClipRuns]:
