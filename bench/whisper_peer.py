@@ -1,7 +1,7 @@
 """faster-whisper's greedy transcripts of the test clips, and the inputs it computes for them, for
-bench.whisper_references. Run by the peer environment's Python (bench.peer_env: faster-whisper and
-its dependencies, numpy among them; nothing of kvshare). Reads a JSON request on stdin, prints a
-JSON answer:
+bench.whisper_references; or its timed transcripts, for bench.whisper. Run by the peer
+environment's Python (bench.peer_env: faster-whisper and its dependencies, numpy among them;
+nothing of kvshare). Reads a JSON request as the first line of stdin, prints a JSON answer:
 
     {"model": DIR, "threads": T, "clips": [wav], "decode_only": [wav], "arrays": NPZ, "options": {...}}
     ->  {"versions": {...}, "clips": [{"token_ids", "text", "prompt", "generate", ...}]}
@@ -10,10 +10,16 @@ and writes to ``arrays`` (compressed npz, float32): ``mel_<clip>``, the log-mel 
 the encoder was fed before the zero columns that pad them to 3000, with ``frames_<clip>`` = n;
 ``decoded_<file>``, ``decode_audio(file)`` (16 kHz mono) of each ``decode_only`` file; and
 ``mel_filters`` (80, 201), the filter bank.
+
+A request ``{"model": DIR, "threads": T, "timed": true, "options": {...}}`` loads the model once and
+prints ``{"versions": {...}}``; then each further stdin line is a WAV path, answered by one line
+``{"ms", "token_ids", "text"}``: the wall time of ``transcribe`` with its segments consumed
+(decoding the file included), until stdin ends.
 """
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import ctranslate2
@@ -63,9 +69,29 @@ def top2_gaps(ct2_model, encoded, call: dict) -> tuple[list[int], list[float]]:
     return result.sequences_ids[0], gaps
 
 
+def versions() -> dict:
+    return {"faster-whisper": faster_whisper.__version__, "ctranslate2": ctranslate2.__version__,
+            "numpy": np.__version__}
+
+
+def serve_timings(model: WhisperModel, options: dict) -> None:
+    """One timed ``transcribe`` per WAV path read from stdin, each answered on its own line (flushed:
+    the caller waits for it before its next measurement)."""
+    print(json.dumps({"versions": versions()}), flush=True)
+    for line in sys.stdin:
+        start = time.perf_counter()
+        segments = list(model.transcribe(line.rstrip("\n"), **options)[0])
+        ms = (time.perf_counter() - start) * 1000
+        print(json.dumps({"ms": ms, "token_ids": [t for s in segments for t in s.tokens],
+                          "text": "".join(s.text for s in segments)}), flush=True)
+
+
 def main() -> None:
-    request = json.load(sys.stdin)
+    request = json.loads(sys.stdin.readline())
     model = WhisperModel(request["model"], device="cpu", compute_type="float32", cpu_threads=request["threads"])
+    if request.get("timed"):
+        serve_timings(model, request["options"])
+        return
     recorder = model.model = RecordingModel(model.model)
     arrays = {"mel_filters": model.feature_extractor.mel_filters}
     clips = []
@@ -97,11 +123,7 @@ def main() -> None:
     for path in request["decode_only"]:
         arrays[f"decoded_{Path(path).stem}"] = decode_audio(path)
     np.savez_compressed(request["arrays"], **arrays)
-    json.dump({
-        "versions": {"faster-whisper": faster_whisper.__version__, "ctranslate2": ctranslate2.__version__,
-                     "numpy": np.__version__},
-        "clips": clips,
-    }, sys.stdout)
+    json.dump({"versions": versions(), "clips": clips}, sys.stdout)
 
 
 if __name__ == "__main__":
