@@ -40,7 +40,7 @@ def run_whisper_demo(model_dir: Path | None) -> int:
         ("A", "transcribe (greedy)", {}),
         ("B", "the same audio again (greedy)", {}),
         ("B", "3 sampled candidates, temperature 0.7", {"n": 3, "sampling": pb.SamplingParams(temperature=0.7, seed=1)}),
-        ("B", "with a prompt: 'Meeting notes.'", {"prompt": "Meeting notes."}),
+        ("B", "with a prompt: 'A fox and a dog.'", {"prompt": "A fox and a dog."}),
     )
     with ExitStack() as stack:
         redis_server = stack.enter_context(RedisServer())
