@@ -133,6 +133,16 @@ def test_routing_key_is_the_prompt_prefix_salt_and_caller():
     # Multi-byte characters are cut at 256 bytes, not characters.
     assert len(prompt_prefix(pb.GenerateRequest(prompt="é" * 300), 256)) == 1 + 256
 
+    # Encoder-decoder requests: the same audio (or encoder prompt) meets its cross K/V, whatever the prompt.
+    audio = b"RIFF" + bytes(range(256)) * 40
+    assert key(pb.GenerateRequest(encoder_audio=audio)) is not None
+    assert key(pb.GenerateRequest(encoder_audio=audio)) != key(pb.GenerateRequest(encoder_audio=audio + b"\0"))
+    assert key(pb.GenerateRequest(encoder_audio=audio)) == key(pb.GenerateRequest(encoder_audio=audio, prompt="Notes."))
+    assert key(pb.GenerateRequest(encoder_prompt="Document A. " * 40, prompt="Summary:")) != \
+        key(pb.GenerateRequest(encoder_prompt="Document B. " * 40, prompt="Summary:"))
+    features = pb.Tensor(shape=[1, 4], dtype="float32", data=bytes(16))
+    assert key(pb.GenerateRequest(encoder_features=features)) == key(pb.GenerateRequest(encoder_features=features))
+
     assert key(pb.GenerateRequest(max_new_tokens=4)) is None, "no prompt: round-robin, the worker refuses it"
     assert routing_key(b"\xff\xff\xff", (), 256) is None, "unparseable: round-robin, the worker refuses it"
 

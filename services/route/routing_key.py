@@ -9,6 +9,11 @@ that worker's memory L1. Prompts sharing less than that may go to different work
 share a block; so the setting belongs below the length of the prefixes worth keeping together (a
 system prompt), not above.
 
+For an encoder-decoder model the encoder input (audio, features, encoder prompt) is the prefix
+instead of the prompt: its cross-attention K/V is the largest thing requests share, and the
+decoder's own blocks are namespaced by it (they are shared only under the same encoder input), so
+the same audio decoded again (another temperature, prompt or task) lands where its K/V already is.
+
 A key is a routing hint, never a cache key: two different prompts with the same key merely meet
 on one worker, and the worker's own keys (``cachestore/keys.py``) keep their K/V apart.
 """
@@ -24,6 +29,22 @@ PROMPT_TOKEN_IDS_ROUTED = 64
 """Leading ``prompt_token_ids`` that choose the worker: one block of the default block size."""
 
 _SEPARATOR = b"\x00"
+
+
+def encoder_input(request: pb.GenerateRequest, prefix_bytes: int) -> bytes:
+    """A tagged digest of the request's encoder input (audio or feature bytes: BLAKE2b of all of
+    them, bounded by the message size; an encoder prompt: its first ``prefix_bytes`` bytes or
+    ``PROMPT_TOKEN_IDS_ROUTED`` ids), or b"" when it has none."""
+    if request.encoder_audio:
+        return b"a" + hashlib.blake2b(request.encoder_audio, digest_size=16).digest()
+    if request.encoder_features.data:
+        return b"f" + hashlib.blake2b(request.encoder_features.data, digest_size=16).digest()
+    if request.encoder_prompt:
+        return b"e" + request.encoder_prompt[:prefix_bytes].encode()[:prefix_bytes] + _SEPARATOR
+    if request.encoder_prompt_token_ids:
+        ids = request.encoder_prompt_token_ids[:PROMPT_TOKEN_IDS_ROUTED]
+        return b"i" + b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+    return b""
 
 
 def prompt_prefix(request: pb.GenerateRequest, prefix_bytes: int) -> bytes | None:
@@ -50,16 +71,16 @@ def prompt_prefix(request: pb.GenerateRequest, prefix_bytes: int) -> bytes | Non
 
 
 def routing_key(request_bytes: bytes, metadata: Iterable[tuple[str, str | bytes]], prefix_bytes: int) -> bytes | None:
-    """The key of a serialized GenerateRequest: BLAKE2b over its prompt prefix, its ``cache.salt``
+    """The key of a serialized GenerateRequest: BLAKE2b over its encoder input, else its prompt prefix, its ``cache.salt``
     and its ``authorization`` metadata (tenants never share cached blocks, so their requests need
     not meet); salt and caller are length-prefixed, so no two different pairs hash alike. None
-    when the bytes do not parse or the request has no prompt: such a call goes round-robin and its
-    worker answers it."""
+    when the bytes do not parse or the request has neither prompt nor encoder input: such a call
+    goes round-robin and its worker answers it."""
     try:
         request = pb.GenerateRequest.FromString(request_bytes)
     except Exception:  # noqa: BLE001 - whatever FromString raises, the worker will say why
         return None
-    prefix = prompt_prefix(request, prefix_bytes)
+    prefix = encoder_input(request, prefix_bytes) or prompt_prefix(request, prefix_bytes)
     if prefix is None:
         return None
     caller = b"\x00".join(v if isinstance(v, bytes) else v.encode() for k, v in metadata if k == "authorization")
