@@ -25,6 +25,9 @@ from collections.abc import Iterable
 
 from kvshare.v1 import generator_pb2 as pb
 
+ENCODER_BYTES_ROUTED = 64 << 10
+"""Leading bytes of ``encoder_audio`` or ``encoder_features`` hashed (with their length) into the
+key: 2 s of 16-kHz audio tells recordings apart, and the router's loop never hashes megabytes."""
 PROMPT_TOKEN_IDS_ROUTED = 64
 """Leading ``prompt_token_ids`` that choose the worker: one block of the default block size."""
 
@@ -32,13 +35,12 @@ _SEPARATOR = b"\x00"
 
 
 def encoder_input(request: pb.GenerateRequest, prefix_bytes: int) -> bytes:
-    """A tagged digest of the request's encoder input (audio or feature bytes: BLAKE2b of all of
-    them, bounded by the message size; an encoder prompt: its first ``prefix_bytes`` bytes or
+    """The request's encoder input, tagged (audio or feature bytes: their length and first
+    ``ENCODER_BYTES_ROUTED`` bytes; an encoder prompt: its first ``prefix_bytes`` bytes or
     ``PROMPT_TOKEN_IDS_ROUTED`` ids), or b"" when it has none."""
-    if request.encoder_audio:
-        return b"a" + hashlib.blake2b(request.encoder_audio, digest_size=16).digest()
-    if request.encoder_features.data:
-        return b"f" + hashlib.blake2b(request.encoder_features.data, digest_size=16).digest()
+    for tag, data in ((b"a", request.encoder_audio), (b"f", request.encoder_features.data)):
+        if data:
+            return tag + len(data).to_bytes(8, "little") + data[:ENCODER_BYTES_ROUTED]
     if request.encoder_prompt:
         return b"e" + request.encoder_prompt[:prefix_bytes].encode()[:prefix_bytes] + _SEPARATOR
     if request.encoder_prompt_token_ids:
