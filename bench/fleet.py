@@ -72,11 +72,15 @@ def genai_folder(model: BenchModel, engine_rows: int | None = None) -> Path:
     return folder
 
 
-def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def parse_args(description: str, extra: Callable[[argparse.ArgumentParser], None] | None = None,
+               smoke_help: str = "tiny model, few runs: checks the benchmark works",
+               model_help: str = "model folder to measure instead of the seeded bench preset (e.g. from kvshare fetch-model)",
+               ) -> argparse.Namespace:
+    """The flags every benchmark has (``--smoke``, ``--model``; a benchmark of a real model says
+    what they mean for it) and ``extra``'s."""
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--smoke", action="store_true", help="tiny model, few runs: checks the benchmark works")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="model folder to measure instead of the seeded bench preset (e.g. from kvshare fetch-model)")
+    parser.add_argument("--smoke", action="store_true", help=smoke_help)
+    parser.add_argument("--model", type=Path, default=None, help=model_help)
     if extra:
         extra(parser)
     # A benchmark measures serving, never a shutdown: the workers and routers it starts (they get

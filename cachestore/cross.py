@@ -39,9 +39,11 @@ class CrossStore:
         self.stats = stats
         self.max_value_bytes = max_value_bytes
 
-    def get(self, input_hash: BlockHash, layers: int, heads: int, head_dim: int) -> np.ndarray | None:
+    def get(self, input_hash: BlockHash, layers: int, heads: int, head_dim: int, max_tokens: int) -> np.ndarray | None:
         """The cached cross K/V of an encoder input in the storage dtype, or None (a bad value is
-        counted and deleted)."""
+        counted and deleted). ``max_tokens``: the most encoder positions the input can give (its
+        sequence axis: tokens, or audio frames that a strided encoder only shortens), so that a
+        forged value cannot hold an impossible length, however well it is checksummed."""
         key = cross_key(input_hash)
         value = self.store.get(key)
         if value is None:
@@ -51,6 +53,8 @@ class CrossStore:
             kv = decode(value, Expected(ValueKind.CROSS_KV, input_hash, self.dtype, authenticated=self.store.authenticated))
             if kv.ndim != 5 or (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != (layers, 2, heads, head_dim):
                 raise CodecError(RejectReason.FORMAT, f"shape {kv.shape} does not fit {layers} layers x {heads} heads x {head_dim}")
+            if not 1 <= kv.shape[3] <= max_tokens:
+                raise CodecError(RejectReason.FORMAT, f"{kv.shape[3]} encoder positions; the input gives 1 to {max_tokens}")
         except CodecError as exc:
             self.stats.add(cross_misses=1)
             self.stats.count("rejected_values", exc.reason)

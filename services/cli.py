@@ -230,20 +230,23 @@ def build_parser() -> argparse.ArgumentParser:
     from services.transcribe import MAX_NEW_TOKENS
 
     tr = sub.add_parser("transcribe", help="transcribe a WAV file on a worker serving a Whisper folder",
-                        description="Sends the file's bytes (16-bit PCM or 32-bit float WAV, mono or stereo, any "
-                                    "sample rate, at most 30 s) and prints the transcript. The encoder's "
+                        description="Sends the file's bytes (16-bit PCM or 32-bit float WAV, mono or stereo, 1 to "
+                                    "192 kHz, at most 30 s) and prints the transcript. The encoder's "
                                     "cross-attention K/V are shared through the store: a second transcription of "
                                     "the same samples, on any replica, runs no encoder.",
                         formatter_class=defaults)
     tr.add_argument("file", type=Path, help="the WAV file")
     add_connection_flags(tr)
     tr.add_argument("--json", action="store_true",
-                    help="print one JSON object: text, token_ids, encoder_cache_hit, ttft_ms, finish_reason")
+                    help="print one JSON object per transcript: index, text, token_ids, encoder_cache_hit, ttft_ms, "
+                         "finish_reason")
     tr.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     tr.add_argument("--seed", type=count, default=None, help="sampling seed (unset = random)")
     tr.add_argument("--prompt", default=None,
                     help="text the audio continues (names, spelling, style), given as <|startofprev|> context")
-    tr.add_argument("--n", type=count, default=1, help="independent samples (prints the first)")
+    tr.add_argument("--n", type=count, default=1, help="independent samples, one per line (with --temperature > 0)")
+    tr.add_argument("--num-beams", type=count, default=1,
+                    help="beam search width (1 = greedy; faster-whisper's default is 5); prints the --n best")
     tr.add_argument("--max-new-tokens", type=count, default=MAX_NEW_TOKENS, help="tokens to generate at most")
     tr.add_argument("--salt", default="", help="cache salt: requests with different salts never share cached K/V")
     tr.add_argument("--timeout-s", type=float, default=300.0, help="call deadline in seconds")

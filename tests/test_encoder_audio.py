@@ -97,7 +97,11 @@ PROBLEMS = {
     "8-bit": (lambda: EncoderRequest(audio=eight_bit()),
               "encoder_audio: 8-bit PCM not supported; send 16-bit PCM or 32-bit float"),
     "mp3": (lambda: EncoderRequest(audio=b"ID3\x04 an mp3"),
-            "encoder_audio: not a WAV file: starts with b'ID3\\x04 an mp3'; send RIFF/WAVE bytes"),
+            "encoder_audio: not a WAV file: starts with b'ID3\\x04 an mp3' (it looks like MP3); send RIFF/WAVE bytes "
+            "(e.g. `ffmpeg -i FILE -ac 1 -ar 16000 out.wav`)"),
+    "no audio": (lambda: EncoderRequest(),
+                 "encoder_audio: model whisper-audio is a speech model: send the audio as encoder_audio (a WAV file; "
+                 "from a shell, `kvshare transcribe FILE.wav`)"),
     "ten minutes": (lambda: EncoderRequest(audio=ten_minutes()), "encoder_audio: 600.0 s of audio; at most 30 s per request"),
     # Refused on the event loop, unread: one byte more than the densest 30-s WAV (and 1 MiB of metadata).
     "over the byte bound": (lambda: EncoderRequest(audio=bytes(47_128_577)),

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from conftest import STORED_LOGIT_TOLERANCE, collect, record_margin, wait_until
 
+from cachestore.codec import ValueKind, encode
 from cachestore.factory import StoreOptions, open_store
 from cachestore.keys import cross_key
 from cachestore.stats import CacheStats
@@ -71,7 +72,7 @@ def test_same_decoder_prompt_under_another_encoder_input_never_hits(replicas):
     assert other == generate(b, decoder_ids, encoder_ids=OTHER_ENCODER_IDS, skip_read=True)[0]
 
 
-@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "too_long"])
 def test_damaged_cross_value_is_a_miss_with_correct_output(replicas, redis_server, damage):
     a, b = replicas
     decoder_ids = list(range(100, 120))
@@ -87,12 +88,16 @@ def test_damaged_cross_value_is_a_miss_with_correct_output(replicas, redis_serve
             client.set(key, bytes(bad))
         elif damage == "truncate":
             client.set(key, value[:-64])
+        elif damage == "too_long":  # well formed and checksummed (unsigned), but longer than its input can give
+            h = a.encoder_input_hash("", np.asarray([ENCODER_IDS], np.int64))
+            shape = (a.spec.num_layers, 2, a.spec.num_kv_heads, len(ENCODER_IDS) + 1, a.spec.head_size)
+            client.set(key, encode(ValueKind.CROSS_KV, h, np.zeros(shape, a.cross.dtype)))
         else:
             generate(a, decoder_ids, salt="tenant-b")
             client.set(key, client.get(cross_key(a.encoder_input_hash("tenant-b", np.asarray([ENCODER_IDS], np.int64)))))
         tokens, usage = generate(b, decoder_ids, skip_write=True)
         assert not usage.encoder_cache_hit and tokens == expected
-        reason = {"flip": "checksum", "truncate": "format"}.get(damage, "owner")
+        reason = {"flip": "checksum", "truncate": "format", "too_long": "format"}.get(damage, "owner")
         assert b.cache_stats.rejected_values == {reason: 1}
         assert client.get(key) is None
 
@@ -112,7 +117,7 @@ def test_cached_cross_logits_equal_fresh_ones(replicas):
     fresh = encoder.run(array)
     h = a.encoder_input_hash("", array)
     assert a.cross.put(h, fresh)
-    cached = a.cross.get(h, a.spec.num_layers, a.spec.num_kv_heads, a.spec.head_size)
+    cached = a.cross.get(h, a.spec.num_layers, a.spec.num_kv_heads, a.spec.head_size, len(ENCODER_IDS))
     decoder_ids = list(range(100, 130))
 
     def logits(cross):

@@ -27,7 +27,7 @@ from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.engine.encoder_input import EncoderRequest
 from services.engine.engine import Engine, EngineOptions
-from services.engine.generation import GenerationRequest, SamplingConfig
+from services.engine.generation import BeamSearch, GenerationRequest, SamplingConfig
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.ctranslate2_model import read_ctranslate2_model
 
@@ -41,7 +41,7 @@ reference; measured 1.3e-5 on clip1, with values up to 5.5."""
 
 
 def audio_request(wav: bytes, **fields) -> GenerationRequest:
-    return GenerationRequest(encoder=EncoderRequest(audio=wav), max_new_tokens=MAX_NEW_TOKENS, **fields)
+    return GenerationRequest(encoder=EncoderRequest(audio=wav), **{"max_new_tokens": MAX_NEW_TOKENS, **fields})
 
 
 def transcript_ids(ids: list[int], eos: int = 50256) -> list[int]:
@@ -100,14 +100,25 @@ def test_prompt_text_is_previous_context_before_the_start_sequence(whisper_engin
     assert whisper_engine.inputs.prepare(audio_request(wav)).ids == [50257, 50362]
     given = whisper_engine.inputs.prepare(audio_request(wav, prompt_token_ids=[50257, 50362, 383]))
     assert given.ids == [50257, 50362, 383], "prompt ids are the decoder prompt as given"
+    long_text = " ".join(f"word{i}" for i in range(2000))
+    kept = whisper_engine.inputs.prepare(audio_request(wav, prompt=long_text)).ids
+    assert len(kept) + MAX_NEW_TOKENS == 448, "a long prompt keeps what fits beside max_new_tokens"
+    assert kept[-3:] == [whisper_engine.tokenizer.encode(" word1999")[-1], 50257, 50362]
+    faster_whisper_share = whisper_engine.inputs.prepare(audio_request(wav, prompt=long_text, max_new_tokens=100)).ids
+    assert len(faster_whisper_share) == 1 + 223 + 2, "at most context / 2 - 1 tokens, as faster-whisper"
 
 
-def test_sampled_candidates_and_a_prompt_decode_from_one_encoding(whisper_engine):
+def test_sampled_candidates_beams_and_a_prompt_decode_from_one_encoding(whisper_engine):
     wav = (DATA / "clip4.wav").read_bytes()
+    greedy, _ = collect(whisper_engine, audio_request(wav))
     runs = whisper_engine.encoder.runs
-    request = audio_request(wav, n=3, sampling=SamplingConfig(temperature=0.8, seed=7), prompt="Trains and timetables.")
-    ids, last = collect(whisper_engine, request)
-    assert ids and whisper_engine.encoder.runs <= runs + 1
+    for fields in ({"n": 3, "sampling": SamplingConfig(temperature=0.8, seed=7)}, {"beams": BeamSearch(num_beams=3)},
+                   {"prompt": "Trains and timetables."}):
+        ids, last = collect(whisper_engine, audio_request(wav, **fields))
+        assert last.usage.encoder_cache_hit, fields
+    assert whisper_engine.encoder.runs == runs, "the cross K/V of the first decode served the others"
+    best, _ = collect(whisper_engine, audio_request(wav, beams=BeamSearch(num_beams=3)))
+    assert transcript_ids(best)[:3] == transcript_ids(greedy)[:3]
 
 
 @pytest.fixture()
@@ -169,6 +180,17 @@ def test_bad_audio_is_invalid_argument_and_the_worker_serves_on(whisper_tiny, tm
         assert result["token_ids"] == reference["token_ids"]
         assert result["text"] == reference["text"].strip()
         assert result["encoder_cache_hit"] is False and result["ttft_ms"] > 0
+        samples = subprocess.run([sys.executable, "-m", "services.cli", "transcribe", "--target", worker.target, "--json",
+                                  "--n", "2", "--temperature", "0.8", "--seed", "3", str(clip)],
+                                 capture_output=True, text=True, timeout=120, check=True)
+        lines = [json.loads(line) for line in samples.stdout.splitlines()]
+        assert [line["index"] for line in lines] == [0, 1] and all(line["encoder_cache_hit"] for line in lines)
+        empty = tmp_path / "empty.wav"
+        empty.write_bytes(b"")
+        refused = subprocess.run([sys.executable, "-m", "services.cli", "transcribe", "--target", worker.target,
+                                  str(empty)], capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2 and "is empty" in refused.stderr
+        assert "speech model" in _details(stub, b""), "no audio at all: the message says to send some"
 
 
 def _details(stub, audio: bytes) -> str:

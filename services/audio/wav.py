@@ -46,6 +46,11 @@ _TAG_NAMES = {1: "PCM", 2: "Microsoft ADPCM", 3: "IEEE float", 6: "A-law", 7: "m
               0x31: "GSM 6.10", 0x50: "MPEG", 0x55: "MPEG Layer 3"}
 
 
+_OTHER_FORMATS = ((b"ID3", "MP3"), (b"\xff\xfb", "MP3"), (b"\xff\xf3", "MP3"), (b"\xff\xf2", "MP3"),
+                  (b"fLaC", "FLAC"), (b"OggS", "Ogg"), (b"FORM", "AIFF"), (b"\x1aE\xdf\xa3", "WebM/Matroska"))
+"""Leading bytes of audio files people send instead of WAV, named in the refusal."""
+
+
 class WavError(ValueError):
     """The bytes are not audio kvshare can read; the message says what was found and what to send."""
 
@@ -113,7 +118,9 @@ def read_layout(data: bytes) -> WavLayout:
     if not data:
         raise WavError("empty: no bytes; send a WAV file")
     if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
-        raise WavError(f"not a WAV file: starts with {data[:12]!r}; send RIFF/WAVE bytes")
+        kind = next((f" (it looks like {name})" for magic, name in _OTHER_FORMATS if data.startswith(magic)), "")
+        raise WavError(f"not a WAV file: starts with {data[:12]!r}{kind}; send RIFF/WAVE bytes "
+                       "(e.g. `ffmpeg -i FILE -ac 1 -ar 16000 out.wav`)")
     fmt = None
     offset = 12
     for _ in range(MAX_CHUNKS):

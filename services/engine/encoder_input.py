@@ -58,6 +58,9 @@ def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextToken
         if given:
             raise InvalidRequest(given[0], f"model {spec.name} is decoder-only and takes no encoder input")
         return None
+    if not given and spec.audio is not None and not encoder.takes_token_ids:
+        raise InvalidRequest("encoder_audio", f"model {spec.name} is a speech model: send the audio as encoder_audio "
+                             "(a WAV file; from a shell, `kvshare transcribe FILE.wav`)")
     if len(given) != 1:
         detail = "is required" if not given else f"got {', '.join(given)}"
         raise InvalidRequest("encoder_prompt", f"model {spec.name} is encoder-decoder: exactly one of "
@@ -90,7 +93,8 @@ def encoder_array(request: EncoderRequest, spec: ModelSpec, tokenizer: TextToken
             raise InvalidRequest(f"{field}.data", "the features hold NaN or infinity")
     else:
         if not encoder.takes_token_ids:
-            raise InvalidRequest(field, "this encoder takes float features: use encoder_features")
+            audio = " or encoder_audio (a WAV file: `kvshare transcribe FILE.wav`)" if spec.audio is not None else ""
+            raise InvalidRequest(field, f"this encoder takes float features: use encoder_features{audio}")
         limit = spec.encoder.context_length
         try:
             ids = list(request.token_ids) if request.token_ids else tokenizer.encode(request.prompt or "", limit)

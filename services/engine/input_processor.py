@@ -270,7 +270,8 @@ class InputProcessor:
         """An encoder-decoder model's decoder prompt when the request gives no prompt ids: the
         folder's start sequence (else its decoder start token), after the prompt text as
         previous-text context where the folder has such a token (Whisper: ``<|startofprev|>`` and
-        the text's last context_length / 2 - 1 tokens, a space before it, as faster-whisper)."""
+        the text's last context_length / 2 - 1 tokens, a space before it, as faster-whisper; fewer
+        where max_new_tokens needs the room)."""
         defaults = self.generation_defaults
         start = list(defaults.decoder_prompt) or [self.spec.decoder_start_token_id]
         if start[0] is None:
@@ -279,7 +280,11 @@ class InputProcessor:
             return start
         if request.messages:
             raise InvalidRequest("prompt", "set one of prompt, prompt_token_ids and messages")
-        context = self.tokenizer.encode(" " + request.prompt.strip())[-(self.spec.context_length // 2 - 1):]
+        # faster-whisper keeps the last context_length / 2 - 1 tokens; fewer where the request's
+        # max_new_tokens would not fit beside them (it shortens its generation instead).
+        room = self.spec.context_length - request.max_new_tokens - len(start) - 1
+        keep = min(self.spec.context_length // 2 - 1, room)
+        context = self.tokenizer.encode(" " + request.prompt.strip())[-keep:] if keep > 0 else []
         return [defaults.previous_text_token, *context, *start]
 
     def _prompt_ids(self, request: GenerationRequest) -> list[int]:

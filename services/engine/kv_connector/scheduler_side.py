@@ -91,7 +91,7 @@ class KVConnectorScheduler:
         t = time.perf_counter()
         kv = seq.kv
         if encode is not None and not kv.cache.skip_read:
-            kv.cross_kv = self.cross.get(kv.encoder_hash, *self._cross_shape)
+            kv.cross_kv = self.cross.get(kv.encoder_hash, *self._cross_shape, max_tokens=seq.encoder_input.shape[-1])
         if encode is None or kv.cross_kv is not None:
             return self._fetch_blocks(seq, receiver, done, t)
         encoding = self.encodes.start(seq, encode)
