@@ -13,7 +13,14 @@ from __future__ import annotations
 import sys
 
 from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args, print_table, verdict
-from services.local.store_faults import CASES, CLIENTS, CaseResult, lab, settle_for, workload_for
+from services.local.store_faults import (
+    CASES,
+    CLIENTS,
+    CaseResult,
+    lab,
+    settle_for,
+    workload_for,
+)
 
 
 def table_rows(results: list[CaseResult]) -> list[tuple]:

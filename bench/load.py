@@ -34,7 +34,14 @@ from bench.fleet import (
     wait_for_keys,
 )
 from services.client import complete
-from services.local.traffic import FIRST_TOKEN_ID, Periodic, Summary, Traffic, Workload, burst
+from services.local.traffic import (
+    FIRST_TOKEN_ID,
+    Periodic,
+    Summary,
+    Traffic,
+    Workload,
+    burst,
+)
 
 BURST_DEADLINE_S = 30.0
 BLOCK_SIZE = 16

@@ -38,7 +38,12 @@ from services.engine.sampling import Sampler
 from services.engine.sequence import Sequence, SequenceGroup
 from services.engine.stop_matcher import StopMatcher
 from services.errors import FailedPrecondition, InvalidRequest, RequestOutOfRange
-from services.runtime.chat_template import BrokenChatTemplate, ChatTemplate, ChatTemplateError, Message
+from services.runtime.chat_template import (
+    BrokenChatTemplate,
+    ChatTemplate,
+    ChatTemplateError,
+    Message,
+)
 from services.runtime.generation_config import GenerationDefaults
 from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_decoder import DecoderSession

@@ -16,7 +16,12 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
-from services.engine.generation import FinishReason, GenerationChunk, GenerationRequest, RequestRecord
+from services.engine.generation import (
+    FinishReason,
+    GenerationChunk,
+    GenerationRequest,
+    RequestRecord,
+)
 from services.engine.logprobs import with_text
 from services.engine.off_loop import OffLoop
 from services.engine.sequence import OutItem, Sequence

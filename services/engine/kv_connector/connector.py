@@ -13,12 +13,12 @@ from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from services.engine.generation import CacheControl
+from services.engine.kv_connector.encoder_runs import EncoderRuns
 from services.engine.kv_connector.fetch_policy import (
     FetchPolicy,
     PrefixFetch,
     StoreRate,
 )
-from services.engine.kv_connector.encoder_runs import EncoderRuns
 from services.engine.kv_connector.publish_queue import PublishQueue
 from services.engine.kv_connector.scheduler_side import KVConnectorScheduler
 from services.engine.kv_connector.state import SequenceKV

@@ -31,7 +31,14 @@ from services.engine.kv_connector.fetch_policy import FetchPolicy, LookupClock
 from services.engine.kv_connector.publish_queue import PublishQueue, after
 from services.engine.kv_connector.state import Ahead, Trail, cached_tokens
 from services.engine.leases import Claim, HeldLeases, Tokens
-from services.engine.run_waits import MIN_STALL_MS, LeaseOptions, PrefillPace, RunWait, RunWaits, WaitEnd
+from services.engine.run_waits import (
+    MIN_STALL_MS,
+    LeaseOptions,
+    PrefillPace,
+    RunWait,
+    RunWaits,
+    WaitEnd,
+)
 from services.engine.sequence import Sequence
 from services.engine.step_plan import SchedulerStats, StepPlan
 
