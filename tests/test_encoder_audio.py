@@ -113,6 +113,15 @@ PROBLEMS = {
 }
 
 
+def test_features_whose_encoding_overflows_are_invalid_and_never_cached(replicas):
+    a, b = replicas
+    loud = EncoderFeatures((1, 80, 3000), "float32", np.full((1, 80, 3000), 3e38, "<f4").tobytes())
+    with pytest.raises(InvalidRequest, match="encoder_features: the encoder's output overflows"):
+        transcribe(a, EncoderRequest(features=loud))
+    tokens, usage = transcribe(b, EncoderRequest(audio=CLIP))
+    assert tokens and not usage.encoder_cache_hit, "the worker serves on"
+
+
 @pytest.mark.parametrize("case", sorted(PROBLEMS))
 def test_audio_problems_are_invalid_requests_naming_the_field(replicas, case):
     make, message = PROBLEMS[case]

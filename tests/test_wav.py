@@ -93,6 +93,14 @@ def test_float_samples_beyond_full_scale_are_clipped_as_a_16_bit_decode_would():
     assert decode(wav(samples, tag=FLOAT, bits=32)).tolist() == [1.0, -1.0, 0.5]
 
 
+@pytest.mark.parametrize("rate", [16000, 44100])
+def test_the_loudest_finite_stereo_floats_clip_to_full_scale_and_never_overflow(rate):
+    loud = np.full((rate // 10, 2), 3e38, dtype="<f4")
+    loud[1::2] *= -1
+    out = decode(wav(loud, rate, tag=FLOAT, bits=32))
+    assert np.isfinite(out).all() and np.abs(out).max() == 1.0
+
+
 def test_what_pythons_wave_module_writes_is_read():
     samples = pcm16(sine(16000, 440, 0.1))
     buffer = io.BytesIO()

@@ -162,7 +162,7 @@ def decode_wav(data: bytes, rate: int, max_seconds: float) -> np.ndarray:
         samples = raw.astype(np.float32)
     else:
         samples = raw.astype(np.float32) * np.float32(1 / 32768)
-    if layout.channels == 2:
-        samples = (samples[0::2] + samples[1::2]) * np.float32(0.5)
+    if layout.channels == 2:  # halves first: the sum of two loud float samples would overflow to infinity
+        samples = samples[0::2] * np.float32(0.5) + samples[1::2] * np.float32(0.5)
     samples = resample(samples, layout.sample_rate, rate)
     return np.clip(samples, -1.0, 1.0, out=samples)

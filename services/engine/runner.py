@@ -28,7 +28,7 @@ from services.engine.logprobs import log_softmax, token_logprobs
 from services.engine.run_waits import MIN_PACE_TOKENS, PrefillPace
 from services.engine.sequence import Phase, Sequence, SequenceGroup
 from services.engine.step_plan import StepPlan
-from services.errors import NumericalError
+from services.errors import InvalidRequest, NumericalError
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
 from services.runtime.slots import Slot, SlotBank, open_slots
@@ -80,7 +80,15 @@ class ModelRunner:
         session is the runner's all the same: nothing else runs it)."""
         if seq.encoder_input is None:
             return None
-        return lambda: self.encoder.run(seq.encoder_input).astype(self.session.kv_dtype, copy=False)
+
+        def encode() -> np.ndarray:
+            cross = self.encoder.run(seq.encoder_input).astype(self.session.kv_dtype, copy=False)
+            if not np.isfinite(cross).all():  # finite input, overflowing output: the values are the client's
+                raise InvalidRequest("encoder_features", "the encoder's output overflows for these values; they lie "
+                                     f"far outside what the model takes (largest magnitude {np.abs(seq.encoder_input).max():.3g})")
+            return cross
+
+        return encode
 
     def execute(self, plan: StepPlan) -> None:
         """Copies shared prefixes, runs the decode batch, then the prefill chunks; each finished
