@@ -5,10 +5,12 @@ thread, shares the cross-attention cache with the same features sent as a tensor
 problem is INVALID_ARGUMENT naming encoder_audio; through gRPC with the default message size too.
 The real tiny.en model's transcripts are checked elsewhere, on its own folder."""
 
+import asyncio
 import json
 import re
 import shutil
 import struct
+import threading
 
 import grpc
 import numpy as np
@@ -17,6 +19,7 @@ from conftest import collect
 from test_log_mel import DATA, HF_CONFIG, REFERENCE
 
 from cachestore.factory import StoreOptions, open_store
+from cachestore.memory import MemoryStore
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
@@ -161,3 +164,49 @@ def test_audio_over_grpc_with_the_default_message_size(whisper_audio, redis_url)
             assert info.value.details() == f"encoder_audio: {words}"
         again = complete(stub, request, timeout_s=60)
         assert again.token_ids == done.token_ids and again.last.usage.encoder_cache_hit
+
+
+def test_audio_is_decoded_apart_from_text_and_a_flood_of_it_is_refused_at_once(whisper_audio, monkeypatch):
+    """One audio thread held by a decode (a gate, not a duration): a request with features, prepared
+    on the tokenizer threads, streams to its end meanwhile; audio beyond --max-audio-requests is
+    refused at once, before its bytes are read."""
+    from services.engine import encoder_input
+    from services.errors import Overloaded
+
+    entered, release = threading.Event(), threading.Event()
+    decode = encoder_input.decode_wav
+
+    def held_decode(*args):
+        entered.set()
+        assert release.wait(60), "the test released the decode"
+        return decode(*args)
+
+    monkeypatch.setattr(encoder_input, "decode_wav", held_decode)
+    engine = Engine.load(whisper_audio, EngineOptions(audio_threads=1, max_audio_requests=2), MemoryStore(64 << 20),
+                         CacheStats(), "cpu", 2)
+
+    def request(encoder: EncoderRequest) -> GenerationRequest:
+        return GenerationRequest(prompt_token_ids=PROMPT, max_new_tokens=4, ignore_eos=True, encoder=encoder)
+
+    async def tokens(encoder: EncoderRequest) -> list[int]:
+        return [t async for chunk in engine.generate(request(encoder)) for t in chunk.token_ids]
+
+    async def scenario():
+        first = asyncio.create_task(tokens(EncoderRequest(audio=CLIP)))
+        await asyncio.to_thread(entered.wait, 60)
+        second = asyncio.create_task(tokens(EncoderRequest(audio=CLIP)))  # waits for the audio thread
+        await asyncio.sleep(0)
+        with pytest.raises(Overloaded, match="--max-audio-requests 2"):
+            await tokens(EncoderRequest(audio=CLIP))
+        tensor = EncoderFeatures((1, 80, 3000), "float32", np.zeros((1, 80, 3000), "<f4").tobytes())
+        assert len(await tokens(EncoderRequest(features=tensor))) == 4, "text-path requests never wait for audio"
+        assert not first.done()
+        release.set()
+        return await first, await second
+
+    try:
+        first, second = asyncio.run(scenario())
+        assert len(first) == len(second) == 4
+    finally:
+        release.set()
+        engine.close()

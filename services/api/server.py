@@ -142,6 +142,7 @@ def load_engine(settings: Settings) -> Engine:
         namespace_secret=secret,
         max_prompt_bytes=settings.max_prompt_bytes, max_stop_strings=settings.max_stop_strings,
         max_stop_string_bytes=settings.max_stop_string_bytes, tokenizer_threads=settings.tokenizer_threads,
+        audio_threads=settings.audio_threads, max_audio_requests=settings.max_audio_requests,
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms),
         prefix_fetch=PrefixFetch(settings.prefix_fetch),
     )

@@ -45,7 +45,7 @@ from services.engine.generation import (
 from services.engine.input_processor import InputProcessor
 from services.engine.kv_connector.connector import ConnectorOptions, KVConnector
 from services.engine.kv_connector.fetch_policy import PrefixFetch
-from services.engine.off_loop import OffLoop
+from services.engine.off_loop import BoundedOffLoop, OffLoop
 from services.engine.output_processor import OutputProcessor, StreamEnd
 from services.engine.request_limits import limits_for
 from services.engine.run_waits import LeaseOptions, PrefillPace
@@ -108,6 +108,11 @@ class EngineOptions:
     """UTF-8 bytes of one stop string."""
     tokenizer_threads: int = 2
     """Threads that render chat templates, tokenize and build stop automata, off the event loop."""
+    audio_threads: int = 1
+    """Threads that decode requests' audio (WAV, resampling, log-mel), apart from the tokenizer's."""
+    max_audio_requests: int = 8
+    """Requests with audio being decoded or waiting for an audio thread; one more is refused
+    (RESOURCE_EXHAUSTED) at once, before its audio is read."""
     leases: LeaseOptions = field(default_factory=LeaseOptions)
     """Fleet-wide single-flight: leases on computing uncached blocks, and how long to wait for them."""
     prefix_fetch: PrefixFetch = PrefixFetch.AUTO
@@ -163,10 +168,12 @@ class Engine:
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
         self.scheduler = Scheduler(self.runner, self.connector.scheduler_side, scheduling, self._read_pool)
         self._off_loop = OffLoop(options.tokenizer_threads)
+        self._audio_loop = BoundedOffLoop(options.audio_threads, options.max_audio_requests,
+                                          f"requests with audio (--max-audio-requests {options.max_audio_requests}) are")
         self.limits = limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
                                  options.max_stop_string_bytes)
         self.inputs = InputProcessor(spec, session, encoder, tokenizer, self.limits, options.max_new_tokens_cap,
-                                     scheduling.max_batch, self._off_loop)
+                                     scheduling.max_batch, self._off_loop, self._audio_loop)
         self.outputs = OutputProcessor(tokenizer, self._off_loop, scheduling.max_unread_tokens)
         # What tests, benchmarks and metrics read: each room's own object, not a copy.
         self.slots, self.encoder = self.runner.slots, self.runner.encoder
@@ -215,6 +222,7 @@ class Engine:
         self._read_pool.shutdown(wait=True)
         self.connector.close()
         self._off_loop.close()
+        self._audio_loop.close()
 
     async def wait_for_publishes(self) -> None:
         """Returns once every publish scheduled so far has reached the store (or failed)."""
@@ -245,6 +253,9 @@ class Engine:
         before the first chunk. Closing the stream (cancel, deadline, client gone) frees every
         slot of the request at the scheduler's next step."""
         t0 = time.perf_counter()
+        # A full worker refuses before the work of preparing (audio: up to a second of decoding);
+        # admission proper comes after it, as the scheduler may have filled meanwhile.
+        self.scheduler.check_room(request.beams.num_beams if request.beams.on else request.n)
         prepared = await self.inputs.prepare_async(request)
         rows = self.inputs.rows(request, prepared, t0, lambda cache, count: self.connector.states(
             cache, request.tenant, prepared.encoder_input, count))

@@ -61,7 +61,7 @@ SUPPRESS_FIELDS = ("suppress_token_ids", "begin_suppress_token_ids")
 class InputProcessor:
     def __init__(self, spec: ModelSpec, decoder: DecoderSession, encoder: EncoderSession | None,
                  tokenizer: TextTokenizer, limits: RequestLimits, max_new_tokens_cap: int, max_rows: int,
-                 off_loop: OffLoop) -> None:
+                 off_loop: OffLoop, audio_loop: OffLoop) -> None:
         self.spec = spec
         self._decoder = decoder
         self._encoder = encoder
@@ -71,6 +71,8 @@ class InputProcessor:
         self.max_rows = max_rows
         """Rows one request may hold (n samples, beams): the worker's batch."""
         self._off_loop = off_loop
+        self._audio_loop = audio_loop
+        """Where a request with audio is prepared instead: decoding it never delays text requests."""
         self.chat_template: ChatTemplate | None = None
         """The folder's chat template (set by ``Engine.load``), for requests given as messages."""
         self.generation_defaults = GenerationDefaults()
@@ -82,7 +84,7 @@ class InputProcessor:
         refused at once, not after waiting behind other requests' tokenizing), the rest on a
         tokenizer thread."""
         self.limits.check_generation(request)
-        return await self._off_loop.run(self.tokenized, request)
+        return await (self._audio_loop if request.encoder.audio else self._off_loop).run(self.tokenized, request)
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validates and tokenizes ``request``; raises InvalidRequest (or RequestOutOfRange) naming

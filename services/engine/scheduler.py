@@ -126,12 +126,26 @@ class Scheduler:
                 life.queue.append(rows)
                 self._admit()
             else:
-                life.stats.rejected += 1
-                raise Overloaded(
-                    f"the worker is full: {len(life.active)} running (--max-batch "
-                    f"{self.options.max_batch}) and {life.queued} queued (--max-queued "
-                    f"{self.options.max_queued}); retry later or on another replica")
+                raise self._full()
             life.stats.admitted += 1
+
+    def check_room(self, rows: int) -> None:
+        """Raises ``Overloaded`` (counted) when ``rows`` more could neither start nor queue now: a
+        request is refused before it is prepared. ``submit`` decides for good. A row count no
+        request may have is left to validation, which says why."""
+        if not 1 <= rows <= self.options.max_batch:
+            return
+        life = self.life
+        with life.cond:
+            if len(life.active) + rows > self.options.max_batch and life.queued + rows > self.options.max_queued:
+                raise self._full()
+
+    def _full(self) -> Overloaded:
+        """The refusal of a full worker, counted (under ``life.cond``)."""
+        life = self.life
+        life.stats.rejected += 1
+        return Overloaded(f"the worker is full: {len(life.active)} running (--max-batch {self.options.max_batch}) and "
+                          f"{life.queued} queued (--max-queued {self.options.max_queued}); retry later or on another replica")
 
     def abort(self, rows: list[Sequence], stopped: bool = False) -> None:
         """The consumer is gone (or, ``stopped``, found a stop string): free the rows' slots at the
