@@ -10,7 +10,8 @@ redis-server.
   takes that slot, and the held run, once let go, writes into nobody's;
 - an encoder that fails fails that request alone, with the error (and so the status) it raised;
 - runs never overlap and go in the order they were asked for;
-- NaN logits over a cached cross K/V drop it, and the encoder runs again off the scheduler thread.
+- NaN logits over a cached cross K/V drop it, and the encoder runs again off the scheduler thread;
+- requests for the same encoder input while its run is held share that run, published once.
 """
 
 from __future__ import annotations
@@ -290,3 +291,30 @@ def test_nan_logits_over_cached_cross_kv_encode_again_off_the_scheduler_thread(e
     finally:
         a.close()
         b.close()
+
+
+def test_requests_for_the_same_encoder_input_share_one_run_and_one_publish(engine):
+    """Two requests (other decoder prompts) for the same new encoder input, the second arriving
+    while the first's run is held: one run serves both, its cross K/V is published once, and each
+    gets a cold run's tokens."""
+    held = HeldEncoder(engine, HELD_INPUT)
+    other_ids = list(range(130, 150))
+
+    async def scenario():
+        first = asyncio.ensure_future(rest(engine.generate(request(HELD_INPUT, 8))))
+        try:
+            await entered(held)
+            second = asyncio.ensure_future(rest(engine.generate(request(HELD_INPUT, 8, other_ids))))
+            await until(lambda: len(engine.scheduler.active) == 2, "the second request to fetch")
+        finally:
+            held.gate.set()
+        return await first, await second
+
+    sent_before = engine.cache_stats.snapshot()["bytes_sent"]
+    (first, first_last), (second, second_last) = asyncio.run(scenario())
+    assert held.inputs == [HELD_INPUT[0]] and engine.encoder.runs == 1, "one run for both"
+    assert not first_last.usage.encoder_cache_hit and not second_last.usage.encoder_cache_hit
+    asyncio.run(engine.wait_for_publishes())
+    value = len(engine.store.get(cross_key(engine.encoder_input_hash("", np.asarray([HELD_INPUT], np.int64)))))
+    assert engine.cache_stats.snapshot()["bytes_sent"] - sent_before < 2 * value, "published once"
+    assert first == cold(engine, HELD_INPUT, 8) and second == cold(engine, HELD_INPUT, 8, other_ids)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
@@ -54,6 +55,8 @@ class KVConnectorWorker:
         """Bytes of one token's K/V in the slots (the model's own dtype): what a copy holds."""
         self.writes = writes
         self.encodes = encodes
+        self._published: weakref.WeakSet[Future] = weakref.WeakSet()
+        """Encoder runs whose cross K/V was published (scheduler thread): gone with their requests."""
 
     def load(self, seq: Sequence, slots: SlotBank) -> None:
         """Copies the cached blocks the fetch kept (all, or block 0: see ``SlotBank.receiver``)
@@ -66,7 +69,9 @@ class KVConnectorWorker:
         cross = kv.cross_kv
         if kv.encoding is not None:
             cross = kv.encoding.result()
-            if not kv.cache.skip_write:
+            # A run several requests shared (EncoderRuns) is published once, by the first loaded.
+            if not kv.cache.skip_write and kv.encoding not in self._published:
+                self._published.add(kv.encoding)
                 input_hash, computed = kv.encoder_hash, cross
 
                 def store_cross() -> None:
