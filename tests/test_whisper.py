@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import io
 import json
-import struct
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,7 @@ import grpc
 import numpy as np
 import pytest
 from conftest import collect
+from test_wav import FLOAT, wav
 from whisper_reference import cross_kv
 
 from cachestore.factory import StoreOptions, open_store
@@ -37,7 +37,7 @@ CLIPS = [clip["file"] for clip in REFERENCES["clips"]]
 MAX_NEW_TOKENS = 224
 ENCODER_TOLERANCE = 1e-4
 """Largest difference of the converted encoder's cross K/V (float32) from the float64 numpy
-reference; measured 1.3e-5 on clip1, with values up to 5.5."""
+reference; measured 1.3e-5 on a test clip's features, with values up to 5.5."""
 
 
 def audio_request(wav: bytes, **fields) -> GenerationRequest:
@@ -48,14 +48,11 @@ def transcript_ids(ids: list[int], eos: int = 50256) -> list[int]:
     return ids[:-1] if ids and ids[-1] == eos else ids
 
 
-def float_copy(wav: bytes) -> bytes:
+def float_copy(clip: bytes) -> bytes:
     """The same samples as a 32-bit float WAV (exact: int16 / 32768 is a float32)."""
-    with wave.open(io.BytesIO(wav)) as w:
+    with wave.open(io.BytesIO(clip)) as w:
         rate, samples = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), "<i2")
-    data = (samples.astype(np.float32) / 32768).tobytes()
-    fmt = struct.pack("<HHIIHH", 3, 1, rate, rate * 4, 4, 32)
-    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + struct.pack("<I", len(data)) + data
-    return b"RIFF" + struct.pack("<I", len(body)) + body
+    return wav((samples.astype(np.float32) / 32768).astype("<f4"), rate, tag=FLOAT, bits=32)
 
 
 @pytest.fixture(scope="module")
@@ -143,21 +140,11 @@ def test_second_replica_reuses_the_cross_kv_of_the_same_samples(replicas):
     assert not other.usage.encoder_cache_hit and b.encoder.runs == 1
 
 
-def wav_bytes(samples: np.ndarray, rate: int = 16000, channels: int = 1) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(channels)
-        w.setsampwidth(2)
-        w.setframerate(rate)
-        w.writeframes(samples.astype("<i2").tobytes())
-    return out.getvalue()
-
-
 BAD_AUDIO = {
     "empty": b"",
     "truncated header": (DATA / "clip1.wav").read_bytes()[:30],
-    "3 channels": wav_bytes(np.zeros(16000 * 3, np.int16), channels=3),
-    "10 minutes": wav_bytes(np.zeros(16000 * 600, np.int16)),
+    "3 channels": wav(np.zeros((16000 * 3, 3), "<i2")),
+    "10 minutes": wav(np.zeros(16000 * 600, "<i2")),
     "not a WAV": b"ID3\x04\x00\x00\x00\x00\x00\x00" + b"\xff\xfb" * 500,
 }
 
