@@ -125,19 +125,26 @@ def build_encoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.Mode
     return g.model("kvshare_encoder", inputs, outputs)
 
 
-def build_decoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.ModelProto:
-    h, std, scale = shape.hidden_size, shape.init_std, shape.head_size ** -0.5
-    common_consts(g, shape.num_heads, shape.head_size)
-    self_dims = ["batch_size", shape.num_heads, "past_sequence_length", shape.head_size]
-    present_dims = ["batch_size", shape.num_heads, "total_sequence_length", shape.head_size]
-    cross_dims = ["batch_size", shape.num_heads, "encoder_sequence_length", shape.head_size]
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", shape.vocab_size])]
-    for layer in range(shape.decoder_layers):
+def decoder_io(heads: int, head_size: int, layers: int, vocab_size: int, ids_type: int) -> tuple[list, list]:
+    """The decoder's graph inputs (``input_ids`` of ``ids_type``, each layer's self past and cross
+    K/V) and outputs (logits, each layer's self present), in GenAI's Whisper names."""
+    self_dims = ["batch_size", heads, "past_sequence_length", head_size]
+    present_dims = ["batch_size", heads, "total_sequence_length", head_size]
+    cross_dims = ["batch_size", heads, "encoder_sequence_length", head_size]
+    inputs = [helper.make_tensor_value_info("input_ids", ids_type, ["batch_size", "sequence_length"])]
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", vocab_size])]
+    for layer in range(layers):
         inputs += [helper.make_tensor_value_info(t % layer, TensorProto.FLOAT, self_dims) for t in (PAST_SELF_KEY, PAST_SELF_VALUE)]
         inputs += [helper.make_tensor_value_info(t % layer, TensorProto.FLOAT, cross_dims) for t in (PAST_CROSS_KEY, PAST_CROSS_VALUE)]
         outputs += [helper.make_tensor_value_info(t % layer, TensorProto.FLOAT, present_dims)
                     for t in (PRESENT_SELF_KEY, PRESENT_SELF_VALUE)]
+    return inputs, outputs
+
+
+def build_decoder_graph(shape: EncoderDecoderShape, g: GraphWriter) -> onnx.ModelProto:
+    h, std, scale = shape.hidden_size, shape.init_std, shape.head_size ** -0.5
+    common_consts(g, shape.num_heads, shape.head_size)
+    inputs, outputs = decoder_io(shape.num_heads, shape.head_size, shape.decoder_layers, shape.vocab_size, TensorProto.INT64)
 
     pos_ids, mask = causal_positions(g, PAST_SELF_KEY % 0)
     x = _embed(g, "decoder", shape, shape.context_length, pos_ids)

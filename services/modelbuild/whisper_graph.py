@@ -42,6 +42,7 @@ from services.modelbuild.encdec_graph import (
     attend,
     causal_positions,
     common_consts,
+    decoder_io,
     split_heads,
 )
 from services.modelbuild.graph_writer import MS_DOMAIN, GraphWriter
@@ -170,16 +171,7 @@ def build_decoder(model: CTranslate2Model) -> onnx.ModelProto:
     w = _Weights(g, model)
     head, scale = h // heads, (h // heads) ** -0.5
     common_consts(g, heads, head)
-    self_dims = ["batch_size", heads, "past_sequence_length", head]
-    present_dims = ["batch_size", heads, "total_sequence_length", head]
-    cross_dims = ["batch_size", heads, "encoder_sequence_length", head]
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT32, ["batch_size", "sequence_length"])]
-    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", shape.vocab_size])]
-    for layer in range(shape.decoder_layers):
-        inputs += [helper.make_tensor_value_info(t % layer, TensorProto.FLOAT, self_dims) for t in (PAST_SELF_KEY, PAST_SELF_VALUE)]
-        inputs += [helper.make_tensor_value_info(t % layer, TensorProto.FLOAT, cross_dims) for t in (PAST_CROSS_KEY, PAST_CROSS_VALUE)]
-        outputs += [helper.make_tensor_value_info(t % layer, TensorProto.FLOAT, present_dims)
-                    for t in (PRESENT_SELF_KEY, PRESENT_SELF_VALUE)]
+    inputs, outputs = decoder_io(heads, head, shape.decoder_layers, shape.vocab_size, TensorProto.INT32)
 
     pos_ids, mask = causal_positions(g, PAST_SELF_KEY % 0)
     embedding = w("decoder/embeddings/weight")
