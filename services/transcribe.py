@@ -71,7 +71,7 @@ def transcribe_main(connection: Connection, args: argparse.Namespace) -> int:
     if not audio:
         print(f"kvshare transcribe: {path} is empty", file=sys.stderr)
         return 2
-    if args.n > 1 and args.temperature == 0:
+    if args.n > 1 and args.temperature == 0 and args.num_beams <= 1:
         print("kvshare transcribe: --n samples at --temperature 0 are all the greedy transcript", file=sys.stderr)
     with connection.channel() as channel:
         try:
