@@ -112,6 +112,7 @@ class ModelRunner:
             except Exception as exc:  # noqa: BLE001
                 log.exception("copying blocks published meanwhile failed for request %s", seq.request_id)
                 life.fail_all([seq], exc)
+        life.deliver()  # what failed above reaches its consumer now, not after this step's runs
         if plan.decode:
             try:
                 logits = self.slots.decode([s.slot for s in plan.decode], [s.next_token for s in plan.decode])
@@ -125,6 +126,8 @@ class ModelRunner:
                 self._sample(plan.decode, logits)
             life.deliver()
         for seq, n in plan.prefill:
+            if seq.done:  # failed above: its cross K/V or cached blocks never reached its slot
+                continue
             try:
                 logits = self._prefill(seq, n)
                 if logits is not None and not np.isfinite(logits).all():
