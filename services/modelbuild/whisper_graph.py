@@ -1,7 +1,8 @@
 """Builds ONNX Runtime GenAI-layout Whisper graphs from a CTranslate2 ``WhisperSpec`` model.
 
-encoder.onnx: ``audio_features`` float32 ``[batch, mels, frames]`` (log-mel, 3000 frames for a 30-s
-window) -> ``present_key_cross_N`` / ``present_value_cross_N`` ``[batch, heads, frames / 2, head]``
+encoder.onnx: ``audio_features`` float32 ``[batch, mels, 3000]`` (log-mel of one 30-s window; the
+frames are fixed, as the positions they map to are) -> ``present_key_cross_N`` /
+``present_value_cross_N`` ``[batch, heads, 1500, head]``
 for every decoder layer: the cross-attention K/V, computed once per audio window.
 
 decoder.onnx: ``input_ids`` int32 ``[batch, sequence]``, ``past_key_self_N`` / ``past_value_self_N``
@@ -161,7 +162,10 @@ def build_encoder(model: CTranslate2Model) -> onnx.ModelProto:
             split = g.node("Reshape", [projected, "heads_shape"], f"{prefix}_{i}_split")
             g.node("Transpose", [split], template % layer, perm=[0, 2, 1, 3])
             outputs.append(helper.make_tensor_value_info(template % layer, TensorProto.FLOAT, cross_dims))
-    inputs = [helper.make_tensor_value_info(AUDIO_INPUT, TensorProto.FLOAT, ["batch_size", shape.mels, "frames"])]
+    # The frames are fixed (the positions are): features of another length are refused by the
+    # input check, never run into a shape error inside ONNX Runtime.
+    frames = 2 * shape.audio_positions
+    inputs = [helper.make_tensor_value_info(AUDIO_INPUT, TensorProto.FLOAT, ["batch_size", shape.mels, frames])]
     return g.model("whisper_encoder", inputs, outputs)
 
 
