@@ -255,7 +255,7 @@ class Engine:
         t0 = time.perf_counter()
         # A full worker refuses before the work of preparing (audio: up to a second of decoding);
         # admission proper comes after it, as the scheduler may have filled meanwhile.
-        self.scheduler.check_room(request.beams.num_beams if request.beams.on else request.n)
+        self.scheduler.check_room(request.rows)
         prepared = await self.inputs.prepare_async(request)
         rows = self.inputs.rows(request, prepared, t0, lambda cache, count: self.connector.states(
             cache, request.tenant, prepared.encoder_input, count))

@@ -99,6 +99,11 @@ class GenerationRequest:
     """Ids masked at each row's first generated token only. None: the folder's default
     (``GenerationDefaults.begin_suppress_tokens``); empty: none."""
 
+    @property
+    def rows(self) -> int:
+        """Sequences the request holds: its beams, else its samples."""
+        return self.beams.num_beams if self.beams.on else self.n
+
 
 @dataclass(slots=True)
 class PreparedRequest:

@@ -98,7 +98,7 @@ class InputProcessor:
         self._check_generation_fields(request)
         suppress, begin_suppress = self._suppressed(request)
         encoder_input = encoder_array(request.encoder, self.spec, self.tokenizer, self._encoder)
-        if encoder_input is not None and not request.prompt_token_ids and (
+        if encoder_input is not None and not request.prompt_token_ids and not request.messages and (
                 not request.prompt or self.generation_defaults.previous_text_token is not None):
             ids = self._start_sequence(request)
         else:
@@ -133,7 +133,7 @@ class InputProcessor:
         num_beams beams sharing one event that wakes the consumer. ``kv_states(cache, rows)`` gives
         the KV connector's state of each row; ``t0`` is when the request came (perf_counter)."""
         beams = request.beams
-        count = beams.num_beams if beams.on else request.n
+        count = request.rows
         # Prompt log-probabilities need logits where the prompt is computed: nothing is read.
         cache = replace(request.cache, skip_read=True) if request.prompt_logprobs else request.cache
         eos = frozenset() if request.ignore_eos else frozenset(self.spec.eos_token_ids)
@@ -285,8 +285,6 @@ class InputProcessor:
             raise InvalidRequest("prompt", f"model {self.spec.name} names no decoder start token: give a decoder prompt")
         if not request.prompt:
             return start
-        if request.messages:
-            raise InvalidRequest("prompt", "set one of prompt, prompt_token_ids and messages")
         # faster-whisper keeps the last context_length / 2 - 1 tokens; fewer where the request's
         # max_new_tokens would not fit beside them (it shortens its generation instead).
         room = self.spec.context_length - request.max_new_tokens - len(start) - 1

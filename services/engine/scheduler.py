@@ -120,9 +120,10 @@ class Scheduler:
         with life.cond:
             if self._closed:
                 raise Overloaded("the worker is shutting down; retry on another replica")
-            if len(life.active) + len(rows) <= self.options.max_batch and not life.queue:
+            place = self._place(len(rows))
+            if place == "start":
                 self._start(rows)
-            elif life.queued + len(rows) <= self.options.max_queued:
+            elif place == "queue":
                 life.queue.append(rows)
                 self._admit()
             else:
@@ -135,10 +136,17 @@ class Scheduler:
         request may have is left to validation, which says why."""
         if not 1 <= rows <= self.options.max_batch:
             return
-        life = self.life
-        with life.cond:
-            if len(life.active) + rows > self.options.max_batch and life.queued + rows > self.options.max_queued:
+        with self.life.cond:
+            if self._place(rows) is None:
                 raise self._full()
+
+    def _place(self, rows: int) -> str | None:
+        """Where ``rows`` more would go now (under ``life.cond``): "start" (free slots, nobody
+        queued before them), "queue", or None (the worker is full)."""
+        life = self.life
+        if len(life.active) + rows <= self.options.max_batch and not life.queue:
+            return "start"
+        return "queue" if life.queued + rows <= self.options.max_queued else None
 
     def _full(self) -> Overloaded:
         """The refusal of a full worker, counted (under ``life.cond``)."""
