@@ -109,6 +109,8 @@ class AudioFeatures:
             return None
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{path}: unreadable: {exc}") from exc
+        if not isinstance(config, dict):
+            raise ModelLoadError(f"{path}: must hold a JSON object, got {type(config).__name__}")
         try:
             values = {f.name: _number(config, f.name, f.type) for f in fields(cls) if f.init and f.name in config}
             return cls(**values)

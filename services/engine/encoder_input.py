@@ -1,7 +1,7 @@
 """The encoder input of an encoder-decoder request: validated and turned into the array the
 encoder takes (token ids ``[1, tokens]``, or float features of the model's shape, given as such or
-computed from WAV audio by the model's ``AudioFeatures``). Runs on a tokenizer thread: decoding and
-resampling audio never holds the event loop."""
+computed from WAV audio by the model's ``AudioFeatures``). Runs on a tokenizer thread, or for a
+request with audio on an audio thread: decoding and resampling never hold the event loop."""
 
 from __future__ import annotations
 

@@ -33,7 +33,8 @@ class OffLoop:
 class BoundedOffLoop(OffLoop):
     """An ``OffLoop`` that holds at most ``capacity`` calls (running or waiting for a thread);
     one more raises ``Overloaded`` at once. ``what`` names the work and the flag in the message.
-    Counted on the event loop, the only caller: no lock."""
+    Counted on the event loop, the only caller: no lock. A cancelled call stops counting at once,
+    though its work, once begun, runs on: at most ``capacity`` + ``threads`` are in memory."""
 
     def __init__(self, threads: int, capacity: int, what: str) -> None:
         super().__init__(threads)

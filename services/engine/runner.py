@@ -97,6 +97,8 @@ class ModelRunner:
         for seq in plan.assemble:
             try:
                 self._assemble(seq)
+            except InvalidRequest as exc:  # the client's input (its encoding overflowed): its status says so
+                life.fail_all([seq], exc)
             except Exception as exc:  # noqa: BLE001
                 log.exception("assembling the cached prompt failed for request %s", seq.request_id)
                 life.fail_all([seq], exc)
