@@ -49,8 +49,8 @@ from bench.fleet import (
 )
 from bench.peer_env import WHISPER_PEER, peer_python
 from bench.whisper_references import DATA, MODEL, THREADS, TRANSCRIBE, peer_model_dir
-from cachestore.keys import KEY_PREFIX
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.local.cross_keys import wait_for_cross_keys
 from services.local.model_catalogue import fetch_model
 from services.transcribe import (
     Transcript,
@@ -62,7 +62,6 @@ COLD_SPEED_TARGET = 1.0
 """kvshare cold at least as fast as faster-whisper (faster-whisper's ms / kvshare's)."""
 WARM_TTFT_TARGET = 0.2
 """A cross-attention hit's time to first token at most this share of a cold one's."""
-CROSS_KEYS = KEY_PREFIX + "xkv:*"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +83,11 @@ class FasterWhisper:
         self._process = subprocess.Popen([str(python), str(Path(__file__).with_name("whisper_peer.py"))],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         request = {"model": str(model_dir), "threads": THREADS, "timed": True, "options": TRANSCRIBE}
-        self.versions: dict[str, str] = self._ask(json.dumps(request))["versions"]
+        try:
+            self.versions: dict[str, str] = self._ask(json.dumps(request))["versions"]
+        except BaseException:
+            self.close()
+            raise
 
     def _ask(self, line: str) -> dict:
         self._process.stdin.write(line + "\n")
@@ -100,7 +103,11 @@ class FasterWhisper:
 
     def close(self) -> None:
         self._process.stdin.close()
-        self._process.wait(30)
+        try:
+            self._process.wait(30)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
 
     def __enter__(self) -> Self:
         return self
@@ -115,16 +122,6 @@ def kvshare_call(stub: pb_grpc.GeneratorStub, audio: bytes, salt: str) -> tuple[
     start = time.perf_counter()
     [result] = transcribe(stub, request, CALL_TIMEOUT_S)
     return (time.perf_counter() - start) * 1000, result
-
-
-def wait_for_cross_keys(client: redis.Redis, count: int) -> None:
-    """Returns once Redis holds ``count`` cross-attention K/V values (a cold request's publish
-    landed, so the warm one can hit and no publish overlaps the next measurement)."""
-    deadline = time.monotonic() + PUBLISH_TIMEOUT_S
-    while sum(1 for _ in client.scan_iter(match=CROSS_KEYS, count=1000)) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"replica A's cross-attention K/V not in Redis after {PUBLISH_TIMEOUT_S} s")
-        time.sleep(0.005)
 
 
 @dataclass(slots=True)
@@ -174,7 +171,7 @@ class Kvshare:
         if cold.encoder_cache_hit:
             raise RuntimeError(f"{clip.wav.name}: the cold request under salt {salt!r} hit the cross-attention cache")
         self.published += 1
-        wait_for_cross_keys(self.client, self.published)
+        wait_for_cross_keys(self.client, self.published, PUBLISH_TIMEOUT_S)
         warm_ms, warm = kvshare_call(self.b, audio, salt)
         if not warm.encoder_cache_hit:
             raise RuntimeError(f"{clip.wav.name}: replica B missed replica A's cross-attention K/V (salt {salt!r})")
@@ -200,15 +197,14 @@ def measure(kvshare: Kvshare, peer: FasterWhisper | None, clips: Sequence[Path],
     if peer:
         peer.transcribe(clips[0])
     results = [ClipRuns(wav) for wav in clips]
-    turn = 0
     for run in range(runs):
-        for clip in results:
+        for index, clip in enumerate(results):
             steps = [partial(kvshare.record, clip, f"run-{run}")]
             if peer:
                 steps.append(lambda clip=clip: clip.peer.append(peer.transcribe(clip.wav)))
-            for step in (steps if turn % 2 else steps[::-1]):
+            # Each clip swaps which goes first from run to run, and neighbouring clips differ.
+            for step in (steps if (run + index) % 2 else steps[::-1]):
                 step()
-            turn += 1
     return results
 
 

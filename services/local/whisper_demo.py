@@ -19,6 +19,7 @@ import grpc
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete_all
+from services.local.cross_keys import wait_for_cross_keys
 from services.local.model_catalogue import fetch_model
 from services.local.redis_process import RedisServer, free_port
 from services.local.worker_process import WorkerProcess
@@ -61,7 +62,10 @@ def run_whisper_demo(model_dir: Path | None) -> int:
               f"B {workers[1].target}")
         print(f"audio: a 3-s espeak-ng clip (tests/data/whisper/clip1.wav) saying \"{SPOKEN}\"\n")
         rows = []
-        for replica, what, fields in asks:
+        for i, (replica, what, fields) in enumerate(asks):
+            if i == 1:  # A's publish runs after its answer: B asks once the cross K/V is in Redis
+                with redis_server.client() as client:
+                    wait_for_cross_keys(client, 1)
             request = pb.GenerateRequest(encoder_audio=audio, max_new_tokens=MAX_NEW_TOKENS, **fields)
             samples = complete_all(stubs[replica], request, timeout_s=300)
             for i, done in enumerate(samples):
