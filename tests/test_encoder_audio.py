@@ -1,6 +1,6 @@
 """encoder_audio on a Whisper folder: the GenAI-built random-weight Whisper of
 tests/fixtures/genai_whisper/ (float [1, 80, 3000] audio_features in) copied with Whisper's
-preprocessor_config.json beside it. A WAV file becomes faster-whisper's features on the tokenizer
+preprocessor_config.json beside it. A WAV file becomes faster-whisper's features on an audio
 thread, shares the cross-attention cache with the same features sent as a tensor, and every
 problem is INVALID_ARGUMENT naming encoder_audio; through gRPC with the default message size too.
 The real tiny.en model's transcripts are checked elsewhere, on its own folder."""
@@ -9,7 +9,6 @@ import asyncio
 import json
 import re
 import shutil
-import struct
 import threading
 
 import grpc
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from conftest import collect
 from test_log_mel import DATA, HF_CONFIG, REFERENCE
+from test_wav import wav
 
 from cachestore.factory import StoreOptions, open_store
 from cachestore.memory import MemoryStore
@@ -37,14 +37,11 @@ CLIP = (DATA / "clip1.wav").read_bytes()
 
 def ten_minutes() -> bytes:
     """600 s of 16 kHz mono 16-bit silence: 19.2 MB, under the default message size."""
-    data = 600 * 16000 * 2
-    fmt = struct.pack("<HHIIHH", 1, 1, 16000, 32000, 2, 16)
-    return (b"RIFF" + struct.pack("<I", 36 + data) + b"WAVEfmt " + struct.pack("<I", 16) + fmt + b"data"
-            + struct.pack("<I", data) + bytes(data))
+    return wav(np.zeros(600 * 16000, "<i2"))
 
 
 def eight_bit() -> bytes:
-    return CLIP[:20] + struct.pack("<HHIIHH", 1, 1, 16000, 16000, 1, 8) + CLIP[36:]
+    return wav(np.full(16000, 128, "u1"), bits=8)
 
 
 @pytest.fixture(scope="module")

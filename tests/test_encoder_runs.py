@@ -305,7 +305,8 @@ def test_requests_for_the_same_encoder_input_share_one_run_and_one_publish(engin
         try:
             await entered(held)
             second = asyncio.ensure_future(rest(engine.generate(request(HELD_INPUT, 8, other_ids))))
-            await until(lambda: len(engine.scheduler.active) == 2, "the second request to fetch")
+            await until(lambda: sum(s.kv.encoding is not None for s in engine.scheduler.active) == 2,
+                        "the second request to join the held run")
         finally:
             held.gate.set()
         return await first, await second
