@@ -24,9 +24,15 @@ from cachestore.factory import StoreOptions, open_store
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.engine.encoder_input import EncoderRequest
+from services.engine.encoder_input import EncoderFeatures, EncoderRequest
 from services.engine.engine import Engine, EngineOptions
-from services.engine.generation import BeamSearch, GenerationRequest, SamplingConfig
+from services.engine.generation import (
+    BeamSearch,
+    GenerationRequest,
+    Message,
+    SamplingConfig,
+)
+from services.errors import FailedPrecondition, InvalidRequest
 from services.local.model_catalogue import extract_member
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.ctranslate2_model import read_ctranslate2_model
@@ -100,6 +106,15 @@ def test_prompt_text_is_previous_context_before_the_start_sequence(whisper_engin
     assert kept[-3:] == [whisper_engine.tokenizer.encode(" word1999")[-1], 50257, 50362]
     faster_whisper_share = whisper_engine.inputs.prepare(audio_request(wav, prompt=long_text, max_new_tokens=100)).ids
     assert len(faster_whisper_share) == 1 + 223 + 2, "at most context / 2 - 1 tokens, as faster-whisper"
+
+
+def test_features_of_another_length_and_messages_are_refused(whisper_engine):
+    short = EncoderFeatures((1, 80, 2999), "float32", bytes(80 * 2999 * 4))
+    with pytest.raises(InvalidRequest, match=r"encoder_features: shape \[1, 80, 2999\] given, the encoder takes \[\*, 80, 3000\]"):
+        whisper_engine.inputs.prepare(GenerationRequest(encoder=EncoderRequest(features=short), max_new_tokens=4))
+    wav = (DATA / "clip2.wav").read_bytes()
+    with pytest.raises(FailedPrecondition, match="no chat template"):
+        whisper_engine.inputs.prepare(audio_request(wav, messages=[Message("user", "hi")]))
 
 
 def test_sampled_candidates_beams_and_a_prompt_decode_from_one_encoding(whisper_engine):

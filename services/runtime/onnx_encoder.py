@@ -46,8 +46,8 @@ class EncoderSession:
             raise InvalidRequest(field, f"dtype {array.dtype} given, the encoder takes {self.input_dtype}")
         if array.ndim != len(self.input_shape) or any(
                 want is not None and want != got for want, got in zip(self.input_shape, array.shape, strict=True)):
-            wanted = ["*" if d is None else d for d in self.input_shape]
-            raise InvalidRequest(field, f"shape {list(array.shape)} given, the encoder takes {wanted}")
+            wanted = ", ".join("*" if d is None else str(d) for d in self.input_shape)
+            raise InvalidRequest(field, f"shape {list(array.shape)} given, the encoder takes [{wanted}]")
 
     def run(self, array: np.ndarray) -> np.ndarray:
         """The cross K/V for ``array`` (already checked), canonical and on the host."""
