@@ -42,11 +42,21 @@ def encoder_input(request: pb.GenerateRequest, prefix_bytes: int) -> bytes:
         if data:
             return tag + len(data).to_bytes(8, "little") + data[:ENCODER_BYTES_ROUTED]
     if request.encoder_prompt:
-        return b"e" + request.encoder_prompt[:prefix_bytes].encode()[:prefix_bytes] + _SEPARATOR
+        return b"e" + _text_prefix(request.encoder_prompt, prefix_bytes) + _SEPARATOR
     if request.encoder_prompt_token_ids:
-        ids = request.encoder_prompt_token_ids[:PROMPT_TOKEN_IDS_ROUTED]
-        return b"i" + b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+        return b"i" + _ids_prefix(request.encoder_prompt_token_ids)
     return b""
+
+
+def _text_prefix(text: str, prefix_bytes: int) -> bytes:
+    """The first ``prefix_bytes`` UTF-8 bytes of ``text``; a character is at least one byte, so
+    encoding that many characters covers them (O(``prefix_bytes``), not O(text))."""
+    return text[:prefix_bytes].encode()[:prefix_bytes]
+
+
+def _ids_prefix(ids) -> bytes:
+    """The first ``PROMPT_TOKEN_IDS_ROUTED`` ids as int32 little-endian."""
+    return b"".join(i.to_bytes(4, "little", signed=True) for i in ids[:PROMPT_TOKEN_IDS_ROUTED])
 
 
 def prompt_prefix(request: pb.GenerateRequest, prefix_bytes: int) -> bytes | None:
@@ -56,8 +66,7 @@ def prompt_prefix(request: pb.GenerateRequest, prefix_bytes: int) -> bytes | Non
     a text and a conversation never share a key by accident. None for a request without a prompt
     (the worker refuses it). Costs O(``prefix_bytes``), not O(prompt): only that much is encoded."""
     if request.prompt:
-        # A character is at least one byte: encoding this many characters covers prefix_bytes.
-        return b"p" + request.prompt[:prefix_bytes].encode()[:prefix_bytes]
+        return b"p" + _text_prefix(request.prompt, prefix_bytes)
     if request.messages:
         joined = bytearray()
         for message in request.messages:
@@ -67,8 +76,7 @@ def prompt_prefix(request: pb.GenerateRequest, prefix_bytes: int) -> bytes | Non
                 break
         return b"m" + bytes(joined[:prefix_bytes])
     if request.prompt_token_ids:
-        ids = request.prompt_token_ids[:PROMPT_TOKEN_IDS_ROUTED]
-        return b"t" + b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+        return b"t" + _ids_prefix(request.prompt_token_ids)
     return None
 
 
