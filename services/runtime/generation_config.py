@@ -56,14 +56,22 @@ class GenerationDefaults:
         if [f[0] for f in forced] != list(range(1, len(forced) + 1)) or (forced and start is None):
             raise ModelLoadError(f"{path}: forced_decoder_ids must force positions 1, 2, ... in order after a "
                                  f"decoder_start_token_id, got {forced}")
-        forced_ids = _token_ids(path, {"forced_decoder_ids": [f[1] for f in forced]}, "forced_decoder_ids", vocab_size)
+        forced_ids = tuple(_checked_id(path, f"forced_decoder_ids[{i}][1]", f[1], vocab_size) for i, f in enumerate(forced))
         return cls(**lists, decoder_prompt=(start, *forced_ids) if forced_ids else (), previous_text_token=previous)
 
 
 def _token_id(path: Path, config: dict, name: str, vocab_size: int) -> int | None:
     """``config[name]``: one id in the vocabulary, or None where absent or null."""
-    ids = _token_ids(path, {name: [config[name]]} if config.get(name) is not None else {}, name, vocab_size)
-    return ids[0] if ids else None
+    value = config.get(name)
+    return None if value is None else _checked_id(path, name, value, vocab_size)
+
+
+def _checked_id(path: Path, label: str, value: object, vocab_size: int) -> int:
+    """``value`` as a token id of the vocabulary; raises ModelLoadError naming ``label`` otherwise."""
+    # bool is an int in Python, never a token id in JSON.
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ModelLoadError(f"{path}: {label} = {value!r} is not a token id of the model's vocabulary [0, {vocab_size})")
+    return value
 
 
 def _token_ids(path: Path, config: dict, name: str, vocab_size: int) -> tuple[int, ...]:
@@ -74,9 +82,4 @@ def _token_ids(path: Path, config: dict, name: str, vocab_size: int) -> tuple[in
         return ()
     if not isinstance(value, list):
         raise ModelLoadError(f"{path}: {name} must be a list of token ids, got {type(value).__name__}")
-    for i, t in enumerate(value):
-        # bool is an int in Python, never a token id in JSON.
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
-            raise ModelLoadError(f"{path}: {name}[{i}] = {t!r} is not a token id of the model's vocabulary "
-                                 f"[0, {vocab_size})")
-    return tuple(value)
+    return tuple(_checked_id(path, f"{name}[{i}]", t, vocab_size) for i, t in enumerate(value))
