@@ -117,8 +117,8 @@ def write_whisper_folder(source: Path, out_dir: Path, dtype: str = "float32") ->
     tokenizer.post_processor = None
     generation = generation_config(tokenizer, ct2_config, shape.text_positions)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / ENCODER_FILE).write_bytes(convert_model(whisper_graph.build_encoder(model), dtype).SerializeToString())
-    (out_dir / DECODER_FILE).write_bytes(convert_model(whisper_graph.build_decoder(model), dtype).SerializeToString())
+    (out_dir / ENCODER_FILE).write_bytes(convert_model(whisper_graph.build_encoder(model, shape), dtype).SerializeToString())
+    (out_dir / DECODER_FILE).write_bytes(convert_model(whisper_graph.build_decoder(model, shape), dtype).SerializeToString())
     documents = {
         "genai_config.json": genai_config(shape, generation["decoder_start_token_id"], generation["eos_token_id"]),
         "generation_config.json": generation,

@@ -130,8 +130,8 @@ def _feed_forward(g: GraphWriter, w: _Weights, x: str, prefix: str) -> str:
     return g.node("Add", [x, _linear(g, w, inner, f"{prefix}/linear_1", f"{prefix}_down")], f"{prefix}_residual")
 
 
-def build_encoder(model: CTranslate2Model) -> onnx.ModelProto:
-    shape = WhisperShape.of(model)
+def build_encoder(model: CTranslate2Model, shape: WhisperShape) -> onnx.ModelProto:
+    """``shape``: ``WhisperShape.of(model)``."""
     if shape.decoder_heads != shape.encoder_heads:  # the cross K/V reuse the encoder's head split
         raise CTranslate2FormatError("encoder and decoder head counts differ; this converter expects them equal")
     g, h = GraphWriter(0), shape.hidden_size
@@ -169,8 +169,8 @@ def build_encoder(model: CTranslate2Model) -> onnx.ModelProto:
     return g.model("whisper_encoder", inputs, outputs)
 
 
-def build_decoder(model: CTranslate2Model) -> onnx.ModelProto:
-    shape = WhisperShape.of(model)
+def build_decoder(model: CTranslate2Model, shape: WhisperShape) -> onnx.ModelProto:
+    """``shape``: ``WhisperShape.of(model)``."""
     g, h, heads = GraphWriter(0), shape.hidden_size, shape.decoder_heads
     w = _Weights(g, model)
     head, scale = h // heads, (h // heads) ** -0.5
