@@ -122,7 +122,15 @@ class PrefixStore:
         (canonical, any float dtype) holds exactly those blocks' tokens, from block ``first_block``
         on, and is narrowed to the storage dtype here. A block that would not pass a reader's range
         check once narrowed ends the publish there: later blocks are only reachable through it.
-        Returns how many were new."""
+        Returns how many were new.
+
+        Block ``first_block`` is written last, in a write of its own, once every later block is
+        stored: a lookup, which stops at its first miss, finds none of this publish's blocks or
+        all of them, never part. A worker arriving mid-publish so stops at ``first_block``, whose
+        lease the publisher holds (``services.engine.leases``), not at a block inside the run that
+        nobody holds: it would take that block's lease and compute the rest again. One write of
+        all the blocks would not do: a Redis pipeline interleaves with other clients' reads once
+        its values span several socket reads, and a cluster writes to each node apart."""
         size = block_size
         assert kv.shape[3] == (len(hashes) - first_block) * size, "kv must hold exactly the blocks to publish"
         items = []
@@ -135,6 +143,7 @@ class PrefixStore:
                 _rejected.warning("block %s and later ones not stored (%s)", block_key(hashes[i]), exc)
                 break
             items.append((block_key(hashes[i]), encode(ValueKind.PREFIX_BLOCK, hashes[i], block)))
-        written = self.store.put_many(items)
+        gate, run = items[:1], items[1:]
+        written = (self.store.put_many(run) if run else 0) + self.store.put_many(gate)
         self.stats.add(blocks_written=written, bytes_sent=sum(len(v) for _, v in items))
         return written

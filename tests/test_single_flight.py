@@ -18,8 +18,9 @@ from test_batching import B, alone, make_engine, prompt, request, run_stream
 
 from cachestore.codec import ValueKind, encode
 from cachestore.factory import StoreOptions, open_store
-from cachestore.keys import block_hashes, block_key, lease_key
+from cachestore.keys import Namespace, block_hashes, block_key, lease_key
 from cachestore.memory import MemoryStore
+from cachestore.prefix import KVGeometry, PrefixStore
 from cachestore.signed import SignedStore
 from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
@@ -100,9 +101,60 @@ def test_each_prefill_chunk_publishes_its_blocks(tiny_model):
     try:
         asyncio.run(run_stream(engine, request(prompt(PREFIX, 3), n=2)))
         asyncio.run(engine.wait_for_publishes())
-        assert store.writes == [4] * (PREFIX // (4 * B)), "one publish per chunk, of the chunk's full blocks"
+        # One publish per chunk, of the chunk's full blocks: all but its first, then its first.
+        assert store.writes == [3, 1] * (PREFIX // (4 * B))
     finally:
         engine.close()
+
+
+class PausedAfterFirstWrite:
+    """A store (the calls ``PrefixStore`` makes) whose first ``put_many`` waits, once written, until
+    ``resume`` is set."""
+
+    def __init__(self, inner: KVStore) -> None:
+        self.inner, self.authenticated = inner, inner.authenticated
+        self.written, self.resume, self.writes = threading.Event(), threading.Event(), []
+
+    def iter_many(self, keys):
+        return self.inner.iter_many(keys)
+
+    def put_many(self, items):
+        count = self.inner.put_many(items)
+        self.writes.append([key for key, _ in items])
+        if len(self.writes) == 1:
+            self.written.set()
+            assert self.resume.wait(30)
+        return count
+
+
+@pytest.mark.parametrize("first_block", [0, 2])
+def test_a_lookup_during_a_publish_finds_none_of_its_blocks_or_all(redis_url, first_block):
+    """A worker arriving mid-publish stops at the publish's first block, whose lease the publisher
+    holds, never inside the run at a block nobody holds (it would lease and compute the rest)."""
+    geometry = KVGeometry(2, 2, 4, np.dtype(np.float32))
+    namespace = Namespace(model_fingerprint="cd" * 32, block_size=4, dtype="float32", layout="L2HTD")
+    ids = list(range(6 * 4))
+    hashes = block_hashes(namespace, ids)
+    kv = np.random.default_rng(0).standard_normal((2, 2, 2, 6 * 4, 4)).astype(np.float32)
+    redis = open_store(redis_url, StoreOptions(), CacheStats())
+    reader = PrefixStore(redis, geometry, CacheStats())
+    if first_block:
+        reader.publish(hashes[:first_block], kv[:, :, :, : first_block * 4], 0, 4)
+    paused = PausedAfterFirstWrite(redis)
+    publish = threading.Thread(target=PrefixStore(paused, geometry, CacheStats()).publish,
+                               args=(hashes, kv[:, :, :, first_block * 4 :], first_block, 4))
+    publish.start()
+    try:
+        assert paused.written.wait(30)
+        assert paused.writes == [[block_key(h) for h in hashes[first_block + 1 :]]], "the run first"
+        assert reader.lookup(namespace, ids).hit_blocks == first_block, "none of the publish's blocks yet"
+    finally:
+        paused.resume.set()
+        publish.join()
+    assert paused.writes[1:] == [[block_key(hashes[first_block])]], "then its first block alone"
+    found = reader.lookup(namespace, ids)
+    assert found.hit_blocks == 6 and np.array_equal(np.concatenate(found.blocks, axis=3), kv)
+    redis.close()
 
 
 def lease_of(engine, ids: list[int], block: int) -> str:
