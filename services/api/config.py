@@ -29,6 +29,8 @@ class Settings(FlagSettings):
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on; 0.0.0.0 inside a container."})
     port: int = field(default=50051, metadata={"help": "TCP port; 0 picks a free one (the chosen port is printed)."})
     metrics_port: int = field(default=0, metadata={"min": 0, "help": "Port of the Prometheus /metrics endpoint (on --host; a port of its own, not for gRPC clients); 0 = no metrics."})
+    http_port: int = field(default=0, metadata={"min": 0, "max": 65535, "help": "Port (on --host) of the OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions, /v1/audio/transcriptions, /v1/models, /health; over TLS, and mutual TLS, exactly as the gRPC port is; 0 = none."})
+    http_timeout_s: float = field(default=0.0, metadata={"min": 0.0, "max": 86400.0, "help": "Deadline of one HTTP API request, its whole stream included; past it the answer is 504 (or a stream ends with an error event). 0 = none."})
     cache_url: str = field(default="memory://", metadata={"help": "Shared KV store: memory://, redis://host:port, rediss://, unix://, redis+cluster://, tiered+<redis URL>.", "aliases": ["--cache"]})
     cache_ttl_s: int = field(default=3600, metadata={"help": "Seconds a published block lives in Redis (SET NX EX)."})
     cache_op_timeout_ms: float = field(default=250.0, metadata={"help": "Socket deadline of a store operation; past it (twice, with the one retry) the worker computes instead."})

@@ -30,6 +30,8 @@ class RouteSettings(FlagSettings):
 
     host: str = field(default="127.0.0.1", metadata={"help": "Address to listen on; 0.0.0.0 inside a container."})
     port: int = field(default=50050, metadata={"help": "TCP port; 0 picks a free one (the chosen port is printed)."})
+    http_port: int = field(default=0, metadata={"min": 0, "max": 65535, "help": "Port (on --host) of the OpenAI-compatible HTTP API, routed to the workers by the same prompt prefixes as gRPC calls: /v1/chat/completions, /v1/completions, /v1/audio/transcriptions, /v1/models, /health; 0 = none."})
+    http_timeout_s: float = field(default=0.0, metadata={"min": 0.0, "max": 86400.0, "help": "Deadline of one HTTP API request, its whole stream included; past it the answer is 504 (or a stream ends with an error event). 0 = none."})
     workers: str = field(default="", metadata={"help": "Workers as HOST:PORT,HOST:PORT (a fixed set); or use --workers-dns."})
     workers_dns: str = field(default="", metadata={"help": "NAME:PORT of a headless Kubernetes Service: every A/AAAA record of NAME is a worker, re-resolved every --discovery-interval-s."})
     discovery_interval_s: float = field(default=5.0, metadata={"min": 0.1, "help": "Seconds between DNS look-ups of --workers-dns."})
