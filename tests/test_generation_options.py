@@ -745,7 +745,7 @@ def test_generation_options_over_grpc(stub):
     assert all(m.index == 0 and len(m.logprobs) == len(m.token_ids) for m in answer)
     assert [lp.token_id for m in answer for lp in m.logprobs] == greedy[:4]
     assert all(len(lp.top) == 2 and lp.top[0].token_id == lp.token_id and lp.logprob <= 0
-               for m in answer for lp in m.logprobs)
+               and lp.text == lp.top[0].text for m in answer for lp in m.logprobs)
     assert len(answer[0].prompt_logprobs) == len(ids) - 1
     assert answer[0].prompt_logprobs[0].token_id == ids[1]
     last = answer[-1]

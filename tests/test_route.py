@@ -279,7 +279,7 @@ def test_bad_bytes_get_invalid_argument_never_unknown(fleet, router_stub):
         assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     # A request that parses but that the worker refuses: the worker's status and details, unchanged.
     with pytest.raises(grpc.RpcError) as info:
-        list(router_stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=0), timeout=30))
+        list(router_stub.Generate(pb.GenerateRequest(prompt="x", max_new_tokens=10**6), timeout=30))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith("max_new_tokens")
     with pytest.raises(grpc.RpcError) as info:
         list(router_stub.Generate(pb.GenerateRequest(prompt="x" * 5_000_000, max_new_tokens=1), timeout=30))

@@ -89,6 +89,14 @@ def test_stop_string_and_eos(stub):
     assert done.text == free.text[: free.text.find(stop)]
 
 
+def test_unset_max_new_tokens_generates_up_to_the_context_end(stub):
+    """0 (proto3's unset) means as many as fit: here the 24 tokens left of the 1024-token context
+    (the worker's cap, 512, is larger), then finish_reason LENGTH."""
+    done = complete(stub, pb.GenerateRequest(prompt_token_ids=[5] * 1000, ignore_eos=True), timeout_s=60)
+    assert done.last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(done.token_ids) == done.last.usage.completion_tokens == 24
+
+
 def test_seeded_sampling_repeats(stub):
     def sample(seed):
         request = pb.GenerateRequest(prompt=PROMPT, max_new_tokens=20, ignore_eos=True,
@@ -109,7 +117,10 @@ BAD_REQUESTS = {
                        grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids[0]"),
     "beyond context": (pb.GenerateRequest(prompt_token_ids=[5] * 1000, max_new_tokens=100),
                        grpc.StatusCode.OUT_OF_RANGE, "context length"),
-    "max_new_tokens 0": (pb.GenerateRequest(prompt="x", max_new_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
+    "prompt alone fills the context": (pb.GenerateRequest(prompt_token_ids=[5] * 1024), grpc.StatusCode.OUT_OF_RANGE,
+                                       "context length"),
+    "min_new_tokens above what fits": (pb.GenerateRequest(prompt_token_ids=[5] * 1000, min_new_tokens=30),
+                                       grpc.StatusCode.INVALID_ARGUMENT, "min_new_tokens"),
     "max_new_tokens above cap": (pb.GenerateRequest(prompt="x", max_new_tokens=513),
                                  grpc.StatusCode.INVALID_ARGUMENT, "max_new_tokens"),
     "negative temperature": (pb.GenerateRequest(prompt="x", max_new_tokens=4, sampling=pb.SamplingParams(temperature=-0.5)),

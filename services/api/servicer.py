@@ -173,7 +173,7 @@ def tokenize_response(result: TokenizeResult) -> bytes:
 
 
 def _logprobs(entries: list[TokenLogprob]) -> list[pb.TokenLogprob]:
-    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+    return [pb.TokenLogprob(token_id=e.token_id, logprob=e.logprob, text=e.text,
                             top=[pb.TopLogprob(token_id=t.token_id, logprob=t.logprob, text=t.text) for t in e.top])
             for e in entries]
 

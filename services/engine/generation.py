@@ -52,6 +52,8 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: list[TopLogprob] = field(default_factory=list)
+    text: str = ""
+    """The token decoded alone (special tokens decode to ""), filled by ``logprobs.with_text``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +74,7 @@ class GenerationRequest:
     messages: list[Message] | None = None
     """A conversation for the folder's chat template (with the generation prompt)."""
     max_new_tokens: int = 16
+    """0: as many as fit, up to the context's end and the worker's cap (``PreparedRequest``)."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -109,10 +112,13 @@ class GenerationRequest:
 class PreparedRequest:
     """A validated request: decoder prompt ids, for encoder-decoder models the encoder input, the
     automaton of its stop strings (None: no stop strings), and the ids it suppresses (int64, the
-    folder's defaults resolved; shared read-only by its rows)."""
+    folder's defaults resolved; shared read-only by its rows). ``max_new_tokens`` is the
+    request's, or for a request that left it 0, what fits: the context after the prompt, at most
+    the worker's cap."""
 
     ids: list[int]
     encoder_input: np.ndarray | None
+    max_new_tokens: int
     stops: StopMatcher | None = None
     suppress: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
     begin_suppress: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))

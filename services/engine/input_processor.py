@@ -103,9 +103,14 @@ class InputProcessor:
             ids = self._start_sequence(request)
         else:
             ids = self._prompt_ids(request)
-        if len(ids) + request.max_new_tokens > self.spec.context_length:
+        max_new_tokens = request.max_new_tokens or min(self.max_new_tokens_cap, self.spec.context_length - len(ids))
+        if len(ids) + max(1, request.max_new_tokens) > self.spec.context_length:
             raise self._beyond_context(len(ids), request.max_new_tokens)
-        return PreparedRequest(ids, encoder_input, StopMatcher(request.stop) if request.stop else None,
+        if request.min_new_tokens > max_new_tokens:
+            raise InvalidRequest("min_new_tokens", f"must not exceed max_new_tokens ({max_new_tokens}"
+                                 f"{'' if request.max_new_tokens else ', what fits after the prompt'}), "
+                                 f"got {request.min_new_tokens}")
+        return PreparedRequest(ids, encoder_input, max_new_tokens, StopMatcher(request.stop) if request.stop else None,
                                suppress, begin_suppress)
 
     def render_chat(self, messages: list[Message]) -> str:
@@ -153,7 +158,7 @@ class InputProcessor:
             rows.append(Sequence(
                 request_id=request_id,
                 prompt=prepared.ids,
-                max_new_tokens=request.max_new_tokens,
+                max_new_tokens=prepared.max_new_tokens,
                 sampler=Sampler(sampling),
                 eos_ids=eos,
                 stop_ids=stop_ids,
@@ -179,12 +184,9 @@ class InputProcessor:
 
     def _check_generation_fields(self, request: GenerationRequest) -> None:
         cap = self.max_new_tokens_cap
-        if not 1 <= request.max_new_tokens <= cap:
+        if not 0 <= request.max_new_tokens <= cap:
             raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap} (the worker's --max-new-tokens-cap), "
-                                 f"got {request.max_new_tokens}")
-        if request.min_new_tokens > request.max_new_tokens:
-            raise InvalidRequest("min_new_tokens", f"must not exceed max_new_tokens ({request.max_new_tokens}), "
-                                 f"got {request.min_new_tokens}")
+                                 f"or 0 for as many as fit, got {request.max_new_tokens}")
         s = request.sampling
         if not (math.isfinite(s.temperature) and s.temperature >= 0.0):
             raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")
@@ -287,7 +289,7 @@ class InputProcessor:
             return start
         # faster-whisper keeps the last context_length / 2 - 1 tokens; fewer where the request's
         # max_new_tokens would not fit beside them (it shortens its generation instead).
-        room = self.spec.context_length - request.max_new_tokens - len(start) - 1
+        room = self.spec.context_length - max(1, request.max_new_tokens) - len(start) - 1
         keep = min(self.spec.context_length // 2 - 1, room)
         context = self.tokenizer.encode(" " + request.prompt.strip())[-keep:] if keep > 0 else []
         return [defaults.previous_text_token, *context, *start]
@@ -296,7 +298,7 @@ class InputProcessor:
         if sum(map(bool, (request.prompt, request.prompt_token_ids, request.messages))) > 1:
             raise InvalidRequest("prompt", "set one of prompt, prompt_token_ids and messages")
         # More tokens than this cannot run; they are counted, never turned into Python ints.
-        room = self.spec.context_length - request.max_new_tokens
+        room = self.spec.context_length - max(1, request.max_new_tokens)
         try:
             if request.messages:
                 ids = self.tokenizer.encode(self.render_chat(request.messages), room)

@@ -57,8 +57,10 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence[int], top: int) -> list[
 
 
 def with_text(entries: list[TokenLogprob], tokenizer: TextTokenizer) -> list[TokenLogprob]:
-    """Fills each alternative's ``text`` (the token decoded alone) in place; returns ``entries``."""
+    """Fills each entry's and each alternative's ``text`` (the token decoded alone) in place;
+    returns ``entries``."""
     for entry in entries:
+        entry.text = tokenizer.decode([entry.token_id])
         for alternative in entry.top:
             alternative.text = tokenizer.decode([alternative.token_id])
     return entries
