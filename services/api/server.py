@@ -26,6 +26,8 @@ from services.engine.kv_connector.fetch_policy import PrefixFetch
 from services.engine.run_waits import LeaseOptions
 from services.engine.scheduler import SchedulerOptions
 from services.errors import StartupError
+from services.http.app import tls_context
+from services.http.local_front import LocalFront
 from services.runtime.device_arrays import open_device
 from services.runtime.device_choice import DeviceChoice
 from services.serving.graceful import serve_until_signalled
@@ -193,6 +195,7 @@ async def serve(settings: Settings) -> None:
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
         )
     health_server = _health_server(health_servicer) if settings.health_port else None
+    front = LocalFront(server, settings.http_timeout_s, settings.max_message_bytes) if settings.http_port else None
     try:
         port = _listen(server, settings.host, settings.port, credentials, "--port")
         if health_server is not None:
@@ -214,6 +217,17 @@ async def serve(settings: Settings) -> None:
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     if health_server is not None:
         log.info("health (grpc.health.v1 only, plaintext) on %s:%d", settings.host, settings.health_port)
+    if front is not None:
+        tls = None if credentials is None else tls_context(settings.tls_cert_file, settings.tls_key_file,
+                                                           settings.tls_client_ca_file)
+        try:
+            http_port = await front.start(settings.host, settings.http_port, tls)
+        except StartupError:
+            await server.stop(None)
+            engine.close()
+            raise
+        # Tests and scripts read this line to learn the port when --http-port 0 was given.
+        print(f"kvshare http listening on {settings.host}:{http_port}", flush=True)
     # Tests and scripts read this line to learn the port when --port 0 was given.
     print(f"kvshare listening on {settings.host}:{port}", flush=True)
     log.info("serving %s (%s, %s) on %s:%d (%s%s)", engine.spec.name, engine.session.device_name,
@@ -222,6 +236,8 @@ async def serve(settings: Settings) -> None:
              ", API keys required" if keys else "")
 
     await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s)
+    if front is not None:
+        await front.stop()
     if health_server is not None:
         await health_server.stop(None)
     await engine.wait_for_publishes()

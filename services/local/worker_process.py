@@ -19,11 +19,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 _LISTENING = "kvshare listening on "
+_HTTP_LISTENING = "kvshare http listening on "
 
 
 class ServerProcess:
     """A running `kvshare COMMAND ...` that prints ``kvshare listening on HOST:PORT``; ``target`` is
-    that host:port, ``log_lines`` its output so far. Always call ``stop()`` (or use ``with``)."""
+    that host:port, ``log_lines`` its output so far; with ``--http-port``, ``http_target`` the HTTP
+    API's host:port. Always call ``stop()`` (or use ``with``)."""
 
     def __init__(self, arguments: Sequence[str], env: dict[str, str] | None = None, startup_timeout_s: float = 60.0,
                  log_path: Path | None = None, credentials: grpc.ChannelCredentials | None = None,
@@ -40,7 +42,9 @@ class ServerProcess:
             text=True, env={**os.environ, **(env or {})}, cwd=Path(__file__).resolve().parents[2],
         )
         self._port_ready = threading.Event()
-        self.target = ""
+        self._http_ready = threading.Event()
+        self.target = self.http_target = ""
+        self._wants_http = "--http-port" in arguments
         self._reader = threading.Thread(target=self._read_output, daemon=True)
         self._reader.start()
         try:
@@ -62,13 +66,17 @@ class ServerProcess:
             if line.startswith(_LISTENING):
                 self.target = line[len(_LISTENING):].strip()
                 self._port_ready.set()
+            if line.startswith(_HTTP_LISTENING):
+                self.http_target = line[len(_HTTP_LISTENING):].strip()
+                self._http_ready.set()
 
     def _wait_started(self, timeout_s: float, wait_serving: bool) -> None:
         deadline = time.monotonic() + timeout_s
-        while not self._port_ready.wait(0.05):
-            if self._process.poll() is not None or time.monotonic() > deadline:
-                self._reader.join(1)
-                raise RuntimeError(f"kvshare {self.command} did not start:\n" + "\n".join(self.log_lines[-40:]))
+        for ready in (self._port_ready, self._http_ready) if self._wants_http else (self._port_ready,):
+            while not ready.wait(0.05):
+                if self._process.poll() is not None or time.monotonic() > deadline:
+                    self._reader.join(1)
+                    raise RuntimeError(f"kvshare {self.command} did not start:\n" + "\n".join(self.log_lines[-40:]))
         if not wait_serving:
             return
         with self.channel() as channel:

@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.errors import StartupError
+from services.http.local_front import LocalFront
 from services.route.config import RouteSettings, split_host_port
 from services.route.proxy import Proxy
 from services.route.upstreams import (
@@ -67,14 +68,25 @@ async def serve(settings: RouteSettings) -> None:
     except RuntimeError as exc:  # gRPC's only signal that the bind failed
         raise StartupError(f"cannot listen on {settings.host}:{settings.port}: the address is in use or not "
                            "available here; pick another --port (0 picks a free one)") from exc
+    front = LocalFront(server, settings.http_timeout_s, settings.max_message_bytes) if settings.http_port else None
     await upstreams.start()
     await server.start()
     # Tests and scripts read this line to learn the port when --port 0 was given.
     print(f"kvshare listening on {settings.host}:{port}", flush=True)
+    if front is not None:
+        try:
+            http_port = await front.start(settings.host, settings.http_port, None)
+        except StartupError:
+            await server.stop(None)
+            await upstreams.close()
+            raise
+        print(f"kvshare http listening on {settings.host}:{http_port}", flush=True)
     log.info("routing on %s:%d to %d worker(s) (%d healthy), by the first %d bytes of each prompt%s",
              settings.host, port, len(upstreams.members), len(upstreams.healthy()), settings.route_prefix_bytes,
              f", at most {settings.max_streams_per_worker} streams per worker" if settings.max_streams_per_worker else "")
 
     await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s)
+    if front is not None:
+        await front.stop()
     await upstreams.close()
     log.info("stopped")

@@ -1,0 +1,195 @@
+"""The HTTP server: routes, the error middleware, start and stop.
+
+aiohttp, not FastAPI on uvicorn: one dependency that holds the server, Server-Sent Events with
+back-pressure (``StreamResponse.write`` waits while the socket's buffer is full), multipart
+uploads, a bound on body size, and the cancellation of a handler whose client disconnected; its
+handlers run on the event loop that already runs the gRPC server, so nothing crosses threads.
+Bodies are read and checked by hand (``body.Body``), each refusal naming its field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+import uuid
+from pathlib import Path
+
+import grpc
+from aiohttp import web
+
+from kvshare.v1 import generator_pb2 as pb
+from services.http.body import Body, too_large
+from services.http.chat import ChatFormat, chat_call
+from services.http.choices import Choices
+from services.http.completions import Echo, TextFormat, completion_calls, prompts
+from services.http.errors import ApiError, bad_request, from_rpc
+from services.http.responses import Completion, respond
+from services.http.transcriptions import answer, read_form, transcription_call
+from services.http.upstream import Caller, Upstream, messages
+
+log = logging.getLogger(__name__)
+
+_MODEL_SHOWN = 64
+"""Characters of an unknown model name repeated in the 404's message."""
+
+
+def tls_context(cert_file: Path, key_file: Path, client_ca_file: Path | None) -> ssl.SSLContext:
+    """The HTTP port's TLS, as the gRPC port's: the same certificate, and with a client CA,
+    client certificates required."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_file, key_file)
+    if client_ca_file is not None:
+        context.verify_mode = ssl.CERT_REQUIRED
+        context.load_verify_locations(cafile=client_ca_file)
+    return context
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every refusal as OpenAI's error object; a bug as a 500 that says so, logged."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        error = exc
+    except grpc.aio.AioRpcError as exc:
+        error = from_rpc(exc)
+    except web.HTTPRequestEntityTooLarge:
+        error = too_large(request.app["max_body_bytes"])
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = ApiError(exc.status, f"{exc.reason}: {request.method} {request.path}", "invalid_request_error",
+                         code=exc.reason.lower().replace(" ", "_"))
+    except (asyncio.CancelledError, ConnectionError):
+        raise  # the client left: nobody to answer
+    except Exception as exc:  # noqa: BLE001 - a bug of this face still answers in OpenAI's shape
+        log.error("internal error answering %s %s", request.method, request.path, exc_info=exc)
+        error = ApiError(500, f"internal error: {type(exc).__name__}", "server_error")
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
+class HttpFace:
+    """The OpenAI-compatible API in front of ``upstream``. ``timeout_s``: each request's
+    deadline (0: none); ``max_body_bytes``: the largest request body (413 past it)."""
+
+    def __init__(self, upstream: Upstream, timeout_s: float, max_body_bytes: int) -> None:
+        self.upstream = upstream
+        self.timeout_s = timeout_s
+        self.app = web.Application(middlewares=[openai_errors], client_max_size=max_body_bytes)
+        self.app["max_body_bytes"] = max_body_bytes
+        self.app.add_routes([
+            web.get("/health", self.health),
+            web.get("/v1/models", self.models),
+            web.get("/v1/models/{model}", self.model),
+            web.post("/v1/chat/completions", self.chat),
+            web.post("/v1/completions", self.completions),
+            web.post("/v1/audio/transcriptions", self.transcriptions),
+        ])
+        self._runner: web.AppRunner | None = None
+
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
+        """Listens; returns the port (``port`` 0 picks a free one). OSError when it cannot bind."""
+        # handler_cancellation: a client that disconnects cancels its handler, and so its gRPC calls.
+        self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, ssl_context=tls, reuse_port=False)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        await self.upstream.close()
+
+    def _caller(self, request: web.Request) -> Caller:
+        return Caller.from_headers(request.headers.get("Authorization"), self.timeout_s)
+
+    async def _body(self, request: web.Request) -> Body:
+        body = Body.parse(await request.read())
+        body.refuse_unsupported()
+        return body
+
+    async def _served(self, asked: str | None, caller: Caller) -> str:
+        """The served model's name; 404 when the request names another."""
+        name = (await self.upstream.model_info(caller)).name
+        if asked is None or asked == name:
+            return name
+        name = (await self.upstream.model_info(caller, fresh=True)).name  # the fleet may have moved on
+        if asked != name:
+            raise ApiError(404, f"the model {asked[:_MODEL_SHOWN]!r} does not exist here: GET /v1/models lists the "
+                           "model this server serves", "invalid_request_error", "model", "model_not_found")
+        return name
+
+    async def health(self, request: web.Request) -> web.Response:
+        if await self.upstream.serving():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "unavailable"}, status=503)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [await self._model_card(request)]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        card = await self._model_card(request)
+        if request.match_info["model"] != card["id"]:
+            raise ApiError(404, "no such model: GET /v1/models lists the model this server serves",
+                           "invalid_request_error", "model", "model_not_found")
+        return web.json_response(card)
+
+    async def _model_card(self, request: web.Request) -> dict:
+        info = await self.upstream.model_info(self._caller(request), fresh=True)
+        return {"id": info.name, "object": "model", "created": 0, "owned_by": "kvshare",
+                "max_model_len": info.context_length}
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body, caller = await self._body(request), self._caller(request)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        call = chat_call(body, request_id)
+        stream = body.boolean("stream")
+        completion = Completion(request_id, await self._served(body.string("model"), caller), [call], call.n, stream,
+                                _include_usage(body, stream))
+        return await respond(request, self.upstream, caller, completion, ChatFormat(call.logprobs))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body, caller = await self._body(request), self._caller(request)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        found = prompts(body)
+        calls = completion_calls(body, request_id, found)
+        stream = body.boolean("stream")
+        model = await self._served(body.string("model"), caller)
+        echoes = None
+        if body.boolean("echo"):
+            echoes = [await self._echo(p.text, p.token_ids, calls[0].prompt_logprobs, caller) for p in found]
+        completion = Completion(request_id, model, calls, calls[0].n, stream, _include_usage(body, stream))
+        return await respond(request, self.upstream, caller, completion,
+                             TextFormat(calls[0].n, calls[0].logprobs, echoes))
+
+    async def _echo(self, text: str | None, token_ids: list[int] | None, first_token: bool, caller: Caller) -> Echo:
+        """A prompt's echo: its text (token ids decoded by the worker) and, for echoed
+        log-probabilities, its first token's text."""
+        if text is None:
+            text = (await self.upstream.tokenize(pb.TokenizeRequest(token_ids=token_ids), caller)).text
+        first = ""
+        if first_token:
+            ids = token_ids or (await self.upstream.tokenize(pb.TokenizeRequest(text=text), caller)).token_ids
+            first = (await self.upstream.tokenize(pb.TokenizeRequest(token_ids=ids[:1]), caller)).text if ids else ""
+        return Echo(text, first)
+
+    async def transcriptions(self, request: web.Request) -> web.Response:
+        caller = self._caller(request)
+        form = await read_form(request)
+        await self._served(form.model, caller)
+        call = transcription_call(form, f"trsc-{uuid.uuid4().hex}")
+        choices = Choices(1)
+        async for message in messages(self.upstream.generate(call, caller)):
+            choices.add(0, message)
+        return answer(form, choices)
+
+
+def _include_usage(body: Body, stream: bool) -> bool:
+    options = body.object("stream_options")
+    if options is None:
+        return False
+    if not stream:
+        raise bad_request("stream_options", "only allowed when stream is true")
+    return options.boolean("include_usage")
