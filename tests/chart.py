@@ -75,6 +75,9 @@ VALUE_SETS: dict[str, ValueSet] = {
                             kube_versions=("1.33.0", "latest")),
     "router": ValueSet({"router": {"enabled": True, "config": {"max_streams_per_worker": 8, "health_interval_s": 0.5}},
                         "gpu": {"enabled": True}}),
+    # The OpenAI-compatible HTTP API on the workers and on the router.
+    "http": ValueSet({"httpPort": 8080, "config": {"http_timeout_s": 600},
+                      "router": {"enabled": True, "httpPort": 8000, "config": {"http_timeout_s": 300}}}),
 }
 
 class Helm:

@@ -47,10 +47,10 @@ pytestmark = pytest.mark.deploy
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 DASHBOARD = CHART / "dashboards" / "kvshare.json"
 
-# Chart settings that the chart itself derives (model.path, 0.0.0.0, port, redis.*, metrics.*,
+# Chart settings that the chart itself derives (model.path, 0.0.0.0, port, httpPort, redis.*, metrics.*,
 # security.*, tls.*), and file settings it does not offer: Redis client certificates (the Redis CA
 # goes in the URL, the password comes from redis.auth).
-CHART_MANAGED_SETTINGS = {"model", "host", "port", "cache_url", "metrics_port", "cache_signing_key_file",
+CHART_MANAGED_SETTINGS = {"model", "host", "port", "http_port", "cache_url", "metrics_port", "cache_signing_key_file",
                           "cache_namespace_secret_file", "api_keys_file", "tls_cert_file", "tls_key_file",
                           "tls_client_ca_file", "health_port"}
 CHART_UNOFFERED_SETTINGS = {"cache_tls_ca_file", "cache_tls_cert_file", "cache_tls_key_file", "cache_password_file"}
@@ -116,6 +116,7 @@ def test_every_value_set_renders_the_expected_resources(rendered):
         "model-baked": common + builtin_redis,
         "model-image": common + builtin_redis,
         "router": common + builtin_redis + ["Deployment", "Service", "NetworkPolicy"],
+        "http": common + builtin_redis + ["Deployment", "Service", "NetworkPolicy"],
     }
     assert expected.keys() == VALUE_SETS.keys()
     for name, docs in rendered.items():
@@ -632,6 +633,13 @@ SCHEMA_VIOLATIONS = [
     # maxmemory 0 means no limit at all: Redis would grow until the kubelet kills it.
     (["--set-string", "redis.builtIn.maxmemory=0gb"], "redis.builtIn.maxmemory", "match pattern"),
     (["--set-json", "lifecycle.drainTokensPerSecond=0.0001"], "lifecycle.drainTokensPerSecond", "(greater|minimum|0.1)"),
+    (["--set-json", "httpPort=-1"], "httpPort", "(greater|minimum)"),
+    (["--set-json", "httpPort=65536"], "httpPort", "(less|maximum)"),
+    (["--set-json", "httpPort=8000.5"], "httpPort", "integer"),
+    (["--set", "router.httpPort=http"], "router.httpPort", "integer"),
+    (["--set-json", "router.httpPort=70000"], "router.httpPort", "(less|maximum)"),
+    (["--set-json", "config.http_timeout_s=-1"], "config.http_timeout_s", "(greater|minimum)"),
+    (["--set-json", "router.config.http_timeout_s=86401"], "router.config.http_timeout_s", "(less|maximum)"),
 ]
 
 
@@ -656,8 +664,12 @@ def test_schema_rejects_wrong_values(helm, args, path, reason):
      "redis.builtIn.resources.limits.memory 1536Mi must be at least twice redis.builtIn.maxmemory 1gb"),
     ({"redis": {"tls": {"existingCASecret": "ca"}}}, "redis.tls.existingCASecret is for an external Redis"),
     ({"redis": {"builtIn": {"maxmemory": "2gb"}}}, "redis.builtIn.resources.limits.memory 1536Mi must be at least 1.25 times"),
-    ({"metrics": {"port": 50051}}, "port, metrics.port and tls.healthPort must differ"),
-    ({"tls": {"existingSecret": "t", "healthPort": 9090}}, "port, metrics.port and tls.healthPort must differ"),
+    ({"metrics": {"port": 50051}}, "port, httpPort, metrics.port and tls.healthPort must differ"),
+    ({"tls": {"existingSecret": "t", "healthPort": 9090}}, "port, httpPort, metrics.port and tls.healthPort must differ"),
+    ({"httpPort": 50051}, "port, httpPort, metrics.port and tls.healthPort must differ"),
+    ({"httpPort": 9090}, "port, httpPort, metrics.port and tls.healthPort must differ"),
+    ({"httpPort": 8086, "tls": {"existingSecret": "t"}}, "port, httpPort, metrics.port and tls.healthPort must differ"),
+    ({"router": {"enabled": True, "httpPort": 50051}}, "router.port and router.httpPort must differ (both 50051)"),
     ({"autoscaling": {"enabled": True}, "metrics": {"enabled": False}}, "autoscaling.enabled scales on the workers' kvshare_requests_in_flight"),
     ({"redis": {"builtIn": {"image": {"tag": "8.2.1-alpine"}}}}, "with the digest pinned for 7.4.6-alpine would still run 7.4.6"),
     ({"redis": {"builtIn": {"enabled": False}, "url": "redis://r:6379", "tls": {"existingCASecret": "ca"}}},
@@ -873,19 +885,29 @@ def test_standard_labels_everywhere(rendered):
             assert selects(doc["spec"]["selector"]["matchLabels"], doc["spec"]["template"]["metadata"]["labels"])
 
 
-def test_notes_tell_how_to_call_with_grpcurl(helm, tmp_path):
-    """NOTES.txt rendered by helm (`helm template` skips notes, so a copy of the chart wraps it in
-    a ConfigMap)."""
-    chart = tmp_path / "kvshare"
+@pytest.fixture(scope="module")
+def notes_chart(tmp_path_factory) -> Path:
+    """A copy of the chart whose NOTES.txt is also rendered into a ConfigMap (`helm template`
+    skips notes)."""
+    chart = tmp_path_factory.mktemp("notes") / "kvshare"
     shutil.copytree(CHART, chart)
     notes = (chart / "templates" / "NOTES.txt").read_text()
     (chart / "templates" / "_notes_under_test.tpl").write_text('{{- define "test.notes" -}}\n' + notes + "{{- end -}}\n")
     (chart / "templates" / "notes-under-test.yaml").write_text(
         "apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: notes\ndata:\n"
         '  notes: {{ include "test.notes" . | quote }}\n')
-    result = helm.template({}, "--show-only", "templates/notes-under-test.yaml", chart=chart)
+    return chart
+
+
+def render_notes(helm, chart: Path, values: dict) -> str:
+    """NOTES.txt as helm renders it for ``values``."""
+    result = helm.template(values, "--show-only", "templates/notes-under-test.yaml", chart=chart)
     assert result.returncode == 0, result.stderr
-    text = yaml.safe_load(result.stdout)["data"]["notes"]
+    return yaml.safe_load(result.stdout)["data"]["notes"]
+
+
+def test_notes_tell_how_to_call_with_grpcurl(helm, notes_chart):
+    text = render_notes(helm, notes_chart, {})
     # Reflection is off by default: grpcurl reads the API from the repository's proto/.
     assert "grpcurl -plaintext -import-path proto -proto kvshare/v1/generator.proto localhost:50051 list" in text
     assert (ROOT / "proto" / "kvshare" / "v1" / "generator.proto").exists()
@@ -894,6 +916,29 @@ def test_notes_tell_how_to_call_with_grpcurl(helm, tmp_path):
     assert f"kubectl -n {NAMESPACE} port-forward service/kvshare 50051:50051" in text
     assert f"dns:///kvshare-headless.{NAMESPACE}.svc.cluster.local:50051" in text
     assert "round_robin" in text
+    # The HTTP API is off by default, and so is every line about it.
+    assert not re.search(r"\bcurl\b", text) and "HTTP API" not in text
+
+
+def test_notes_tell_how_to_call_the_http_api_with_curl(helm, notes_chart):
+    text = render_notes(helm, notes_chart, VALUE_SETS["http"].values)
+    lines = [line.strip() for line in text.splitlines()]
+    for service, port in (("kvshare", 8080), ("kvshare-router", 8000)):
+        assert f"kubectl -n {NAMESPACE} port-forward service/{service} {port}:{port} &" in lines
+        assert f"curl -fsS http://localhost:{port}/health" in lines
+        assert f"MODEL=$(curl -fsS http://localhost:{port}/v1/models | jq -r '.data[0].id')" in lines
+        assert f"curl -N http://localhost:{port}/v1/chat/completions -H 'Content-Type: application/json' \\" in lines
+    assert "Only networkPolicy.clients may reach the workers' gRPC and HTTP API ports" in text
+    # The body is JSON once a shell has spliced $MODEL into it, quotes as printed.
+    quoted = next(line for line in lines if line.startswith("-d '"))[len("-d "):]
+    body = subprocess.run(["bash", "-c", f"MODEL=m; printf %s {quoted}"], capture_output=True, text=True, check=True).stdout
+    assert json.loads(body) == {"model": "m", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16,
+                                "stream": True}
+
+    # The workers' HTTPS: the gRPC port's CA and client certificate, against a name in the certificate.
+    tls = render_notes(helm, notes_chart, {"httpPort": 8443, "tls": {"existingSecret": "t", "clientAuth": True}})
+    assert ("curl --cacert ca.crt --cert client.crt --key client.key --resolve WORKER_NAME_IN_YOUR_CERTIFICATE:8443:127.0.0.1 "
+            "-fsS https://WORKER_NAME_IN_YOUR_CERTIFICATE:8443/health") in tls
 
 
 def test_router_is_off_by_default(rendered):
@@ -949,10 +994,99 @@ def test_schema_router_config_keys_are_route_settings():
 
     schema = json.loads((CHART / "values.schema.json").read_text())["properties"]["router"]["properties"]["config"]
     assert schema["additionalProperties"] is False
-    assert set(schema["properties"]) == {f.name for f in fields(RouteSettings)} - {"host", "port", "workers", "workers_dns"}
+    assert set(schema["properties"]) == {f.name for f in fields(RouteSettings)} - {
+        "host", "port", "http_port", "workers", "workers_dns"}
     defaults = yaml.safe_load((CHART / "values.yaml").read_text())
     assert set(defaults["router"]["config"]) <= set(schema["properties"])
     assert defaults["router"]["enabled"] is False
+
+
+def _service_ports(docs: list[dict], name: str) -> dict[str, dict]:
+    return {p["name"]: p for p in find(docs, "Service", name)["spec"]["ports"]}
+
+
+def _admitted_ports(docs: list[dict], policy: str) -> list[tuple[list[dict], list[int]]]:
+    """(peers, ports) of each ingress rule of a NetworkPolicy."""
+    rules = find(docs, "NetworkPolicy", policy)["spec"].get("ingress", [])
+    return [(rule["from"], [p["port"] for p in rule["ports"]]) for rule in rules]
+
+
+def test_http_api_ports_are_off_by_default(rendered):
+    """No value set but `http` names an HTTP port: no container port, Service port, setting or
+    NetworkPolicy port, on the workers or on the router."""
+    for name, docs in rendered.items():
+        if name == "http":
+            continue
+        for workload in (d for d in docs if d["kind"] == "Deployment"):
+            for container in workload["spec"]["template"]["spec"]["containers"]:
+                assert "http" not in [p["name"] for p in container["ports"]], name
+                assert not [e for e in container.get("env", []) if "HTTP_PORT" in e["name"]], name
+        for service in (d for d in docs if d["kind"] == "Service"):
+            assert "http" not in [p["name"] for p in service["spec"]["ports"]], name
+        assert "KVSHARE_HTTP_PORT" not in find(docs, "ConfigMap", RELEASE)["data"], name
+    docs = rendered["router"]
+    assert [ports for _, ports in _admitted_ports(docs, "kvshare-workers")] == [[50051], [9090]]
+    assert [ports for _, ports in _admitted_ports(docs, "kvshare-router")] == [[50051]]
+
+
+def test_http_api_ports_are_wired_on_workers_and_router(rendered):
+    """httpPort and router.httpPort: a container port named http, the setting the process reads,
+    the same port named http on every Service in front of it, and the NetworkPolicy admitting it
+    from the peers the gRPC port admits."""
+    from services.route.config import RouteSettings
+
+    docs = rendered["http"]
+    worker = worker_container(docs)
+    environ = dict(find(docs, "ConfigMap", RELEASE)["data"])
+    environ.update({e["name"]: e["value"] for e in worker["env"]})
+    settings = Settings().apply_env(environ)
+    assert (settings.http_port, settings.http_timeout_s, settings.port) == (8080, 600.0, 50051)
+    assert _container_port(docs, "http") == settings.http_port
+    for name in ("kvshare", "kvshare-headless"):
+        ports = _service_ports(docs, name)
+        assert set(ports) == {"grpc", "http"}, name
+        assert ports["http"] == {"name": "http", "port": 8080, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}
+    grpc_rule, metrics_rule = _admitted_ports(docs, "kvshare-workers")
+    assert grpc_rule[1] == [settings.port, settings.http_port] and metrics_rule[1] == [9090]
+
+    router = find(docs, "Deployment", "kvshare-router")["spec"]["template"]
+    [container] = router["spec"]["containers"]
+    route = RouteSettings().apply_env({e["name"]: e["value"] for e in container["env"]})
+    assert route.problems() == []
+    assert (route.http_port, route.http_timeout_s, route.port) == (8000, 300.0, 50051)
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"grpc": route.port, "http": route.http_port}
+    ports = _service_ports(docs, "kvshare-router")
+    assert ports["http"] == {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"}
+    assert ports["grpc"]["port"] == 50051
+    # The router's clients reach both ports; no other rule opens either.
+    assert _admitted_ports(docs, "kvshare-router") == [([{"podSelector": {}}], [route.port, route.http_port])]
+    # Probes stay on gRPC: the process serves both faces.
+    assert container["readinessProbe"]["grpc"]["port"] == route.port
+    assert worker["readinessProbe"]["grpc"]["port"] == settings.port
+
+
+def test_worker_http_api_is_served_with_the_grpc_tls(helm, rendered):
+    """With tls.existingSecret the workers' HTTP port is HTTPS with the gRPC port's certificate and
+    client CA: the same settings, and nothing mounted beyond what the gRPC TLS mounts."""
+    values = copy.deepcopy(VALUE_SETS["grpc-tls"].values)
+    values["httpPort"] = 8443
+    docs = helm.render(values)
+    environ = dict(find(docs, "ConfigMap", RELEASE)["data"])
+    environ.update({e["name"]: e["value"] for e in worker_container(docs)["env"]})
+    settings = Settings().apply_env(environ)
+    assert settings.http_port == 8443
+    assert [str(f) for f in (settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)] == [
+        "/etc/kvshare/tls/tls.crt", "/etc/kvshare/tls/tls.key", "/etc/kvshare/tls/ca.crt"]
+    pod = find(docs, "Deployment")["spec"]["template"]["spec"]
+    plain_pod = find(rendered["grpc-tls"], "Deployment")["spec"]["template"]["spec"]
+    assert pod["volumes"] == plain_pod["volumes"]
+    assert worker_container(docs)["volumeMounts"] == worker_container(rendered["grpc-tls"])["volumeMounts"]
+    for name in ("kvshare", "kvshare-headless"):
+        assert _service_ports(docs, name)["http"]["appProtocol"] == "https"
+    # The listed clients reach it as they reach gRPC; the kubelet's probes keep the health port.
+    peers, ports = _admitted_ports(docs, "kvshare-workers")[0]
+    assert peers == [{"namespaceSelector": {"matchLabels": {"team": "apps"}}}] and ports == [50051, 8443]
+    assert worker_container(docs)["readinessProbe"]["grpc"]["port"] == _container_port(docs, "health")
 
 
 # --- docker-compose.yml ---------------------------------------------------------------------
@@ -997,8 +1131,32 @@ def test_compose_workers_share_redis_and_wait_for_it(compose_config):
     assert {services[w]["ports"][0]["published"] for w in workers} == {"50051", "50052"}
     # Only this machine reaches them: plaintext gRPC, no API keys.
     assert {services[w]["ports"][0]["host_ip"] for w in workers} == {"127.0.0.1"}
-    # Nothing else is published (Redis is reached by the workers over compose's network only).
-    assert [name for name, service in services.items() if service.get("ports")] == workers
+    # Nothing else but the router is published (Redis is reached by the workers over compose's
+    # network only).
+    assert sorted(name for name, service in services.items() if service.get("ports")) == ["router", *workers]
+
+
+def test_compose_router_serves_the_http_api_on_8000_in_front_of_both_workers(compose_config):
+    """`kvshare route` with its HTTP API on port 8000 (vLLM's), both workers by their service names
+    and container port, published on loopback only, hardened like the workers."""
+    from services.route.config import RouteSettings
+
+    services = compose_config["services"]
+    router = services["router"]
+    assert router["entrypoint"] == ["kvshare", "route"] and router["image"] == services["worker-a"]["image"]
+    settings = RouteSettings().apply_env(router["environment"])
+    assert settings.problems() == []
+    assert (settings.host, settings.port, settings.http_port) == ("0.0.0.0", 50050, 8000)
+    assert settings.static_workers() == [f"{name}:{services[name]['environment']['KVSHARE_PORT']}"
+                                         for name in ("worker-a", "worker-b")]
+    published = {(p["host_ip"], p["published"], p["target"]) for p in router["ports"]}
+    assert published == {("127.0.0.1", "8000", settings.http_port), ("127.0.0.1", "50050", settings.port)}
+    assert set(router["depends_on"]) == {"worker-a", "worker-b"}
+    assert router["healthcheck"]["test"] == ["CMD", "python", "/opt/kvshare/bin/kvshare-healthcheck.py",
+                                             f"127.0.0.1:{settings.port}"]
+    assert router["stop_grace_period"] == "30s" and settings.not_serving_s + settings.drain_s < 30
+    for key in ("read_only", "cap_drop", "security_opt", "tmpfs"):
+        assert router[key] == services["worker-a"][key], key
 
 
 def test_compose_redis_is_a_healthchecked_lru_cache(compose_config):

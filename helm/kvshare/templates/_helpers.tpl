@@ -79,6 +79,38 @@ app.kubernetes.io/component: redis
 {{- printf "%s-router" (include "kvshare.fullname" .) -}}
 {{- end -}}
 
+{{/*
+The workers' HTTP API port on both Services (nothing while httpPort is 0): HTTPS when the gRPC
+port has TLS, since the workers serve both with tls.existingSecret's certificate.
+*/}}
+{{- define "kvshare.workerHTTPServicePort" -}}
+{{- with .Values.httpPort -}}
+- name: http
+  port: {{ . }}
+  targetPort: http
+  protocol: TCP
+  appProtocol: {{ ternary "https" "http" (not (empty $.Values.tls.existingSecret)) }}
+{{- end -}}
+{{- end -}}
+
+{{/*
+NOTES.txt: calls of an HTTP API port through `kubectl port-forward`, given a dict of ns, service,
+port and tls (the workers' HTTPS, which answers to the names of its certificate only).
+*/}}
+{{- define "kvshare.notesHTTPCalls" -}}
+{{- $host := ternary "WORKER_NAME_IN_YOUR_CERTIFICATE" "localhost" .tls -}}
+{{- $curl := "curl" -}}
+{{- if .tls -}}
+{{- $curl = printf "curl --cacert ca.crt%s --resolve %s:%d:127.0.0.1" (ternary " --cert client.crt --key client.key" "" .clientAuth) $host (int .port) -}}
+{{- end -}}
+{{- $url := printf "%s://%s:%d" (ternary "https" "http" .tls) $host (int .port) -}}
+kubectl -n {{ .ns }} port-forward service/{{ .service }} {{ .port }}:{{ .port }} &
+  {{ $curl }} -fsS {{ $url }}/health
+  MODEL=$({{ $curl }} -fsS {{ $url }}/v1/models | jq -r '.data[0].id')
+  {{ $curl }} -N {{ $url }}/v1/chat/completions -H 'Content-Type: application/json' \
+    -d '{"model": "'"$MODEL"'", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16, "stream": true}'
+{{- end -}}
+
 {{- define "kvshare.redisName" -}}
 {{- printf "%s-redis" (include "kvshare.fullname" .) -}}
 {{- end -}}
@@ -359,10 +391,14 @@ window and drain (null: the workers' drain, since the streams it forwards are th
 {{- end -}}
 {{- end -}}
 {{- $ports := list (int .Values.port) -}}
+{{- if .Values.httpPort }}{{ $ports = append $ports (int .Values.httpPort) }}{{ end -}}
 {{- if .Values.metrics.enabled }}{{ $ports = append $ports (int .Values.metrics.port) }}{{ end -}}
 {{- if .Values.tls.existingSecret }}{{ $ports = append $ports (int .Values.tls.healthPort) }}{{ end -}}
 {{- if ne (len $ports) (len (uniq $ports)) -}}
-{{- fail (printf "port, metrics.port and tls.healthPort must differ (got %v): each is its own listener, fenced differently" $ports) -}}
+{{- fail (printf "port, httpPort, metrics.port and tls.healthPort must differ (got %v): each is its own listener, fenced differently" $ports) -}}
+{{- end -}}
+{{- if and .Values.router.enabled (eq (int .Values.router.port) (int .Values.router.httpPort)) -}}
+{{- fail (printf "router.port and router.httpPort must differ (both %d): gRPC and the HTTP API are two listeners" (int .Values.router.port)) -}}
 {{- end -}}
 {{- if and .Values.router.enabled .Values.tls.existingSecret -}}
 {{- fail "router.enabled with tls.existingSecret: the router dials the workers in plaintext; turn one of them off" -}}
