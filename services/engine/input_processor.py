@@ -322,8 +322,15 @@ class InputProcessor:
         return ids
 
     def _beyond_context(self, prompt_tokens: int, max_new_tokens: int) -> RequestOutOfRange:
+        """The refusal of a request that does not fit the context. It blames the prompt where the
+        prompt alone leaves no room for one new token (no max_new_tokens could help), else the sum."""
+        context = self.spec.context_length
+        if prompt_tokens >= context:
+            return RequestOutOfRange(
+                "prompt", f"the prompt alone is {prompt_tokens} tokens; the context length of {context} tokens "
+                          "must hold it and at least one new token: shorten the prompt")
         return RequestOutOfRange(
             "max_new_tokens",
             f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"context length of {self.spec.context_length} tokens",
+            f"context length of {context} tokens: at most {context - prompt_tokens} new tokens fit",
         )
