@@ -264,4 +264,5 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             device=session.device_name,
             slots=self._engine.scheduler.options.max_batch,
             slot_bytes=self._engine.slot_bytes,
+            chat_template=self._engine.inputs.chat_template is not None,
         )
