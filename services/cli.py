@@ -10,14 +10,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
-from services.api.config import Settings
-from services.client import add_connection_flags
-from services.modelbuild.presets import DECODER_PRESETS, MODEL_DTYPES
-from services.runtime.kv_layout import KVLayout
-from services.serving.flags import add_settings_flags, settings_from
+# gRPC core writes INFO lines of its own to stderr (a refused TLS handshake, in the client and in the
+# server) unless told otherwise before it is first imported; the client commands say what went wrong
+# in one line, and the servers log through Python's logging (JSON with --log-format json).
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+
+from services.api.config import Settings  # noqa: E402
+from services.connection import add_connection_flags  # noqa: E402
+from services.modelbuild.presets import DECODER_PRESETS, MODEL_DTYPES  # noqa: E402
+from services.runtime.kv_layout import KVLayout  # noqa: E402
+from services.serving.flags import add_settings_flags, settings_from  # noqa: E402
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -73,10 +79,19 @@ def _route(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from services.client import generate_main, generate_request
+    from services.client import generate_main
+    from services.prompt_input import PromptInputError, read_text_args
 
     connection = _connection(args, "generate")
-    return 2 if connection is None else generate_main(connection, generate_request(args), args.timeout_s)
+    if connection is None:
+        return 2
+    try:
+        texts = read_text_args({"PROMPT": args.prompt, "--system": args.system})
+    except PromptInputError as exc:
+        print(f"kvshare generate: {exc}", file=sys.stderr)
+        return 2
+    args.prompt, args.system = texts["PROMPT"], texts["--system"]
+    return generate_main(connection, args)
 
 
 def _transcribe(args: argparse.Namespace) -> int:
@@ -88,7 +103,7 @@ def _transcribe(args: argparse.Namespace) -> int:
 
 def _connection(args: argparse.Namespace, command: str):
     """The client's Connection from its flags, or None after one line on stderr saying what is wrong."""
-    from services.client import Connection, ConnectionSettingsError
+    from services.connection import Connection, ConnectionSettingsError
 
     try:
         return Connection.from_args(args)
@@ -126,12 +141,20 @@ def _build_model(args: argparse.Namespace) -> int:
 def _chat(args: argparse.Namespace) -> int:
     from kvshare.v1 import generator_pb2 as pb
     from services.client import chat_main
+    from services.prompt_input import PromptInputError, read_text_arg
 
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k)
     if args.top_p is not None:
         sampling.top_p = args.top_p
     connection = _connection(args, "chat")
-    return 2 if connection is None else chat_main(connection, args.system, sampling, args.max_new_tokens, args.timeout_s)
+    if connection is None:
+        return 2
+    try:  # standard input is the conversation: --system can come from a file, not from -
+        system = None if args.system is None else read_text_arg(args.system, "--system", stdin=None)
+    except PromptInputError as exc:
+        print(f"kvshare chat: {exc}", file=sys.stderr)
+        return 2
+    return chat_main(connection, system, sampling, args.max_new_tokens, args.timeout_s)
 
 
 def _fetch_model(args: argparse.Namespace) -> int:
@@ -174,9 +197,32 @@ def suppressed_id(text: str) -> int:
     return -1 if text.strip() == "-1" else count(text)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every parser of the command: a flag is matched whole, never by a prefix (``--max-new-token``
+    is an error, not --max-new-tokens), and a flag that may be added later cannot change what a
+    prefix meant."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Help that ends in ``(default: X)``, except where the default is None, empty or a switch's
+    False: there the help says what leaving the flag out does, and "(default: None)" would only
+    contradict it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+TEXT_ARG = "'-' reads standard input, @FILE reads FILE (needed past Linux's 128 KiB per argument)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvshare", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="kvshare", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)  # sub-parsers are _Parser too
 
     serve = sub.add_parser("serve", help="serve a model folder over gRPC")
     add_settings_flags(serve, Settings)
@@ -191,10 +237,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(route, RouteSettings)
     route.set_defaults(func=_route)
 
-    defaults = argparse.ArgumentDefaultsHelpFormatter
-    gen = sub.add_parser("generate", help="stream one completion from a running worker", formatter_class=defaults)
-    gen.add_argument("prompt", help="the prompt text (for an encoder-decoder model: the decoder prompt, may be empty)")
+    defaults = _DefaultsFormatter
+    gen = sub.add_parser("generate", help="stream one completion from a running worker", formatter_class=defaults,
+                         description="Sends PROMPT to a worker and streams the answer to stdout (a summary line "
+                                     "to stderr). A model with a chat template (GetModelInfo's chat_template, "
+                                     "SmolLM2-Instruct's) gets PROMPT as one user message, rendered by the "
+                                     "worker with that template, as a chat model expects; --raw sends the "
+                                     "text as it is. A model without one gets the text as it is.")
+    gen.add_argument("prompt", metavar="PROMPT",
+                     help=f"the prompt text (for an encoder-decoder model: the decoder prompt, may be empty); "
+                          f"{TEXT_ARG}")
     add_connection_flags(gen)
+    template = gen.add_mutually_exclusive_group()
+    template.add_argument("--raw", action="store_true",
+                          help="send PROMPT as text, without the model's chat template (a completion)")
+    template.add_argument("--system", default=None, metavar="TEXT",
+                          help=f"a system message before PROMPT (models with a chat template); {TEXT_ARG}. "
+                               "Unset: the template's own, if any")
     gen.add_argument("--max-new-tokens", type=count, default=64, help="tokens to generate at most")
     gen.add_argument("--min-new-tokens", type=count, default=0, help="tokens to generate before EOS and stops may end it")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -255,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     chat = sub.add_parser("chat", help="talk to a worker's model on the terminal (its chat template)",
                           formatter_class=defaults)
     add_connection_flags(chat)
-    chat.add_argument("--system", default=None, help="system message (unset: the template's own, if any)")
+    chat.add_argument("--system", default=None, metavar="TEXT",
+                      help="system message, or @FILE to read it from FILE (unset: the template's own, if any)")
     chat.add_argument("--max-new-tokens", type=count, default=256, help="tokens per answer at most")
     chat.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     chat.add_argument("--top-k", type=top_k, default=0, help="sample from the k likeliest tokens (0 or -1 = all)")
@@ -296,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                            formatter_class=defaults)
     fetch.add_argument("name", choices=sorted(CATALOGUE), help="; ".join(f"{k}: {v.description}" for k, v in CATALOGUE.items()))
     fetch.add_argument("out_dir", type=Path, nargs="?", default=None,
-                       help="folder to write (default: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
+                       help="folder to write (unset: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
     fetch.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
                        help="matmul weights of the folder (int8: faster, less exact; see the README; smollm2 only)")
     fetch.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
@@ -307,17 +367,23 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="two replicas on one Redis answer six questions sharing a long system message",
                           formatter_class=defaults)
     demo.add_argument("--model", type=Path, default=None,
-                      help="model folder (default: SmolLM2-135M-Instruct, fetched and converted on first use)")
+                      help="model folder (unset: SmolLM2-135M-Instruct, fetched and converted on first use)")
     demo.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer at most")
     demo.add_argument("--whisper", action="store_true",
                       help="the speech demo instead: Whisper tiny.en transcribes a clip on one replica, the other "
                            "decodes it again from the shared cross-attention K/V (--model: a Whisper folder)")
     demo.set_defaults(func=_demo)
+    for command in sub.choices.values():
+        command.set_defaults(command_parser=command)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, unknown = build_parser().parse_known_args(argv)
+    if unknown:
+        # argparse hands a sub-command's unknown flags up to the top parser, whose usage says nothing
+        # about the sub-command's flags: the sub-command's own parser reports them.
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
     except ModuleNotFoundError as exc:

@@ -4,74 +4,15 @@ to call a worker."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-
-API_KEY_ENV = "KVSHARE_API_KEY"
-
-
-class ConnectionSettingsError(ValueError):
-    """A client flag names a file that cannot be used; the message says which."""
-
-
-@dataclass(frozen=True, slots=True)
-class Connection:
-    """How to reach a worker: its address, TLS files (none: plaintext) and API key (none: no header)."""
-
-    target: str
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
-    api_key: str = field(default="", repr=False)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> Connection:
-        """From ``add_connection_flags``' flags; the key from --api-key-file, else KVSHARE_API_KEY.
-        Raises ConnectionSettingsError for a key file that cannot be read or holds no key."""
-        key = os.environ.get(API_KEY_ENV, "")
-        if args.api_key_file is not None:
-            try:
-                key = args.api_key_file.read_text().strip()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ConnectionSettingsError(f"cannot read --api-key-file {args.api_key_file}: {exc}") from exc
-            if not key:
-                raise ConnectionSettingsError(f"--api-key-file {args.api_key_file} is empty")
-        for flag, path in (("--tls-ca-file", args.tls_ca_file), ("--tls-cert-file", args.tls_cert_file),
-                           ("--tls-key-file", args.tls_key_file)):
-            if path is not None and not path.is_file():
-                raise ConnectionSettingsError(f"{flag} {path}: no such file")
-        if (args.tls_cert_file is None) != (args.tls_key_file is None):
-            raise ConnectionSettingsError("a client certificate needs both --tls-cert-file and --tls-key-file")
-        return cls(args.target, args.tls_ca_file, args.tls_cert_file, args.tls_key_file, key)
-
-    def channel(self) -> grpc.Channel:
-        if self.ca_file is None and self.cert_file is None:
-            return grpc.insecure_channel(self.target)
-        return grpc.secure_channel(self.target, grpc.ssl_channel_credentials(
-            root_certificates=self.ca_file.read_bytes() if self.ca_file else None,
-            private_key=self.key_file.read_bytes() if self.key_file else None,
-            certificate_chain=self.cert_file.read_bytes() if self.cert_file else None))
-
-    @property
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
-
-
-def add_connection_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:50051", help="worker host:port")
-    parser.add_argument("--tls-ca-file", type=Path, default=None, help="connect over TLS, trusting this CA (PEM)")
-    parser.add_argument("--tls-cert-file", type=Path, default=None, help="client certificate for mutual TLS (PEM)")
-    parser.add_argument("--tls-key-file", type=Path, default=None, help="key of --tls-cert-file (PEM)")
-    parser.add_argument("--api-key-file", type=Path, default=None,
-                        help=f"file holding the API key sent as 'authorization: Bearer KEY' (or set {API_KEY_ENV})")
+from services.connection import Connection, rpc_error_line
 
 
 @dataclass(slots=True)
@@ -126,8 +67,11 @@ def raw_call(channel: grpc.Channel, method: str, request: bytes, timeout_s: floa
     except grpc.RpcError as exc:
         return exc.code(), exc.details().encode()
 
-def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
-    """The request `kvshare generate` sends for its parsed flags."""
+def generate_request(args: argparse.Namespace, chat: bool = False) -> pb.GenerateRequest:
+    """The request `kvshare generate` sends for its parsed flags, ``args.prompt`` and ``args.system``
+    holding the text (``-`` and ``@FILE`` already read). ``chat``: the prompt goes as one user message
+    (after a system message, with --system) for the worker to render with the model's chat template;
+    otherwise it goes as text, exactly as given."""
     sampling = pb.SamplingParams(temperature=args.temperature, top_k=args.top_k, min_p=args.min_p,
                                  presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     if args.top_p is not None:
@@ -136,8 +80,13 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
         sampling.seed = args.seed
     if args.repetition_penalty is not None:
         sampling.repetition_penalty = args.repetition_penalty
+    if chat:
+        system = [] if args.system is None else [pb.ChatMessage(role="system", content=args.system)]
+        text: dict = {"messages": [*system, pb.ChatMessage(role="user", content=args.prompt)]}
+    else:
+        text = {"prompt": args.prompt}
     return pb.GenerateRequest(
-        prompt=args.prompt, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
+        **text, max_new_tokens=args.max_new_tokens, sampling=sampling, stop=args.stop,
         ignore_eos=args.ignore_eos, cache=pb.CacheOptions(salt=args.salt),
         encoder_prompt=args.encoder_prompt or "", n=args.n, num_beams=args.num_beams,
         logprobs=args.logprobs is not None, top_logprobs=args.logprobs or 0, min_new_tokens=args.min_new_tokens,
@@ -147,10 +96,16 @@ def generate_request(args: argparse.Namespace) -> pb.GenerateRequest:
     )
 
 
-def generate_main(connection: Connection, request: pb.GenerateRequest, timeout_s: float) -> int:
-    """`kvshare generate`: text to stdout as it streams, usage and timings to stderr. With several
-    samples or beams, each sample's text follows a ``--- sample i`` line (sample 0 streams); with
-    logprobs, one ``id logprob [id:text:logprob alternatives]`` line per token goes to stderr."""
+def model_info(stub: pb_grpc.GeneratorStub, connection: Connection, timeout_s: float) -> pb.GetModelInfoResponse:
+    return stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout_s, metadata=connection.metadata)
+
+
+def generate_main(connection: Connection, args: argparse.Namespace) -> int:
+    """`kvshare generate`: text to stdout as it streams, usage and timings to stderr. The prompt goes
+    through the model's chat template when it has one (GetModelInfo's ``chat_template``), unless
+    --raw. With several samples or beams, each sample's text follows a ``--- sample i`` line (sample
+    0 streams); with logprobs, one ``id logprob [id:text:logprob alternatives]`` line per token goes
+    to stderr. Returns 1 when a call fails, 2 for --system on a model without a chat template."""
     with connection.channel() as channel:
         stub = pb_grpc.GeneratorStub(channel)
         echoed = []
@@ -159,12 +114,23 @@ def generate_main(connection: Connection, request: pb.GenerateRequest, timeout_s
             echoed.append(text)
             print(text, end="", flush=True)
 
+        try:
+            info = None if args.raw else model_info(stub, connection, args.timeout_s)
+        except grpc.RpcError as exc:
+            print(rpc_error_line("generate", exc, connection), file=sys.stderr)
+            return 1
+        chat = info is not None and info.chat_template
+        if args.system is not None and not chat:
+            print(f"kvshare generate: --system needs a chat template, and model {info.name} has none: "
+                  "put the system text in the prompt", file=sys.stderr)
+            return 2
+        request = generate_request(args, chat)
         if request.n > 1 or request.num_beams > 1:
             print("--- sample 0", flush=True)
         try:
-            samples = complete_all(stub, request, timeout_s, echo=echo, metadata=connection.metadata)
+            samples = complete_all(stub, request, args.timeout_s, echo=echo, metadata=connection.metadata)
         except grpc.RpcError as exc:
-            print(f"{chr(10) if echoed else ''}error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(f"{chr(10) if echoed else ''}{rpc_error_line('generate', exc, connection)}", file=sys.stderr)
             return 1
     print(flush=True)  # before the stderr line, also when both go to one pipe
     for i, done in enumerate(samples):
@@ -192,10 +158,19 @@ def chat_main(connection: Connection, system: str | None, sampling: pb.SamplingP
               read=input) -> int:
     """`kvshare chat`: a conversation on the terminal. Each line is a user message; the answer streams
     back and both join the history that the next request sends as ``messages``. ``/reset`` starts
-    over, ``/exit`` or end of input quits."""
+    over, ``/exit`` or end of input quits. Returns 1 when the worker cannot be reached at the start
+    and 2 when its model has no chat template; a failed turn is said and the conversation goes on."""
     history: list[pb.ChatMessage] = [pb.ChatMessage(role="system", content=system)] if system else []
     with connection.channel() as channel:
         stub = pb_grpc.GeneratorStub(channel)
+        try:
+            info = model_info(stub, connection, timeout_s)
+        except grpc.RpcError as exc:
+            print(rpc_error_line("chat", exc, connection), file=sys.stderr)
+            return 1
+        if not info.chat_template:
+            print(f"kvshare chat: model {info.name} has no chat template: use kvshare generate", file=sys.stderr)
+            return 2
         print("kvshare chat: type a message; /reset starts over, /exit quits.", file=sys.stderr)
         while True:
             try:
@@ -218,7 +193,7 @@ def chat_main(connection: Connection, system: str | None, sampling: pb.SamplingP
                                 metadata=connection.metadata)
             except grpc.RpcError as exc:
                 history.pop()
-                print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                print(f"\n{rpc_error_line('chat', exc, connection)}", file=sys.stderr)
                 continue
             print(flush=True)
             u = done.last.usage

@@ -15,7 +15,8 @@ import grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.client import Connection, complete_all
+from services.client import complete_all
+from services.connection import Connection, rpc_error_line
 
 MAX_NEW_TOKENS = 224
 """Whisper's own cap per 30-s window: half the decoder's 448 positions (CTranslate2 and
@@ -80,7 +81,7 @@ def transcribe_main(connection: Connection, args: argparse.Namespace) -> int:
                                          salt=args.salt)
             results = transcribe(pb_grpc.GeneratorStub(channel), request, args.timeout_s, connection.metadata)
         except grpc.RpcError as exc:
-            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(rpc_error_line("transcribe", exc, connection), file=sys.stderr)
             return 1
     several = len(results) > 1
     for result in results:
