@@ -118,8 +118,10 @@ def test_a_prompt_over_an_arguments_limit_comes_from_a_file_or_stdin_and_is_blam
     assert count > context
     for args, stdin in ((["@" + str(prompt_file)], None), (["-"], prompt_file.read_bytes())):
         line = one_line(kvshare("generate", *args, "--target", target, stdin=stdin), 1)
-        assert f"OUT_OF_RANGE: prompt: the prompt alone is {count} tokens; the context length of {context} tokens" in line
+        assert f"OUT_OF_RANGE: messages: the prompt alone is {count} tokens; the context length of {context} tokens" in line
         assert "max_new_tokens" not in line
+    raw = one_line(kvshare("generate", "--raw", "@" + str(prompt_file), "--target", target), 1)
+    assert f"OUT_OF_RANGE: prompt: the prompt alone is {tokens(stub, text=text)} tokens" in raw
 
 
 @pytest.mark.subprocess
@@ -135,7 +137,7 @@ def test_a_prompt_that_fits_without_its_new_tokens_names_max_new_tokens(worker, 
     with pytest.raises(grpc.RpcError) as full:  # a prompt that fills the context leaves no room for any token
         list(stub.Generate(pb.GenerateRequest(prompt_token_ids=[5] * context, max_new_tokens=1), timeout=30))
     assert full.value.code() == grpc.StatusCode.OUT_OF_RANGE
-    assert full.value.details().startswith(f"prompt: the prompt alone is {context} tokens")
+    assert full.value.details().startswith(f"prompt_token_ids: the prompt alone is {context} tokens")
 
 
 def test_unreadable_prompt_and_system_files_are_one_line_and_exit_2(tmp_path):

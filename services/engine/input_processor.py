@@ -105,7 +105,7 @@ class InputProcessor:
             ids = self._prompt_ids(request)
         max_new_tokens = request.max_new_tokens or min(self.max_new_tokens_cap, self.spec.context_length - len(ids))
         if len(ids) + max(1, request.max_new_tokens) > self.spec.context_length:
-            raise self._beyond_context(len(ids), request.max_new_tokens)
+            raise self._beyond_context(request, len(ids))
         if request.min_new_tokens > max_new_tokens:
             raise InvalidRequest("min_new_tokens", f"must not exceed max_new_tokens ({max_new_tokens}"
                                  f"{'' if request.max_new_tokens else ', what fits after the prompt'}), "
@@ -309,7 +309,7 @@ class InputProcessor:
             else:
                 raise InvalidRequest("prompt", "no prompt: set prompt (text), prompt_token_ids or messages")
         except TooManyTokens as exc:
-            raise self._beyond_context(exc.count, request.max_new_tokens) from None
+            raise self._beyond_context(request, exc.count) from None
         if not ids:
             raise InvalidRequest("prompt", "the prompt encodes to no tokens")
         return ids
@@ -321,16 +321,19 @@ class InputProcessor:
                 raise InvalidRequest(f"{field}[{i}]", f"token id {t} is outside the vocabulary [0, {self.spec.vocab_size})")
         return ids
 
-    def _beyond_context(self, prompt_tokens: int, max_new_tokens: int) -> RequestOutOfRange:
-        """The refusal of a request that does not fit the context. It blames the prompt where the
-        prompt alone leaves no room for one new token (no max_new_tokens could help), else the sum."""
+    def _beyond_context(self, request: GenerationRequest, prompt_tokens: int) -> RequestOutOfRange:
+        """The refusal of a request whose prompt of ``prompt_tokens`` does not fit the context with
+        its max_new_tokens. It blames the prompt's field (``messages``, ``prompt_token_ids`` or
+        ``prompt``) where the prompt alone leaves no room for one new token, since no max_new_tokens
+        could help; else max_new_tokens, saying how many fit."""
         context = self.spec.context_length
         if prompt_tokens >= context:
+            blamed = "messages" if request.messages else "prompt_token_ids" if request.prompt_token_ids else "prompt"
             return RequestOutOfRange(
-                "prompt", f"the prompt alone is {prompt_tokens} tokens; the context length of {context} tokens "
-                          "must hold it and at least one new token: shorten the prompt")
+                blamed, f"the prompt alone is {prompt_tokens} tokens; the context length of {context} tokens "
+                        "must hold it and at least one new token: shorten the prompt")
         return RequestOutOfRange(
             "max_new_tokens",
-            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
             f"context length of {context} tokens: at most {context - prompt_tokens} new tokens fit",
         )
