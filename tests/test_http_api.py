@@ -7,12 +7,16 @@ prompt: the comparison is of the translation, never of cached K/V against comput
 
 from __future__ import annotations
 
+import json
+import socket
 import uuid
 from dataclasses import dataclass
 
 import grpc
 import openai
 import pytest
+from conftest import wait_until
+from test_route import LOG_TIMEOUT_S, request_line, running
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
@@ -24,6 +28,10 @@ pytestmark = pytest.mark.subprocess
 
 QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the capital of France?"}]
+
+
+METRICS = free_port()
+"""The first worker's metrics port."""
 
 
 @dataclass
@@ -39,7 +47,7 @@ class Face:
 @pytest.fixture(scope="module")
 def fleet(smollm2, redis_server):
     common = ("--cache", redis_server.url, "--max-batch", "4", "--kv-cache-bytes", str(1 << 30))
-    with WorkerProcess(smollm2, *common, "--http-port", str(free_port())) as a, \
+    with WorkerProcess(smollm2, *common, "--http-port", str(free_port()), "--metrics-port", str(METRICS)) as a, \
             WorkerProcess(smollm2, *common, "--http-port", str(free_port())) as b, \
             RouterProcess([a.target, b.target], "--http-port", str(free_port())) as router:
         yield {"worker": a, "router": router}
@@ -178,3 +186,25 @@ def test_echo_puts_the_prompt_and_its_logprobs_first(face):
         assert "".join(tokens[: len(expected) - 4]) == prompt
         offsets = [o for lp in logprobs for o in lp.text_offset]
         assert offsets == [sum(map(len, tokens[:i])) for i in range(len(tokens))]
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(fleet):
+    """The stream would fill the context (some 8000 tokens): only the client's leaving ends it."""
+    worker = fleet["worker"]
+    host, port = worker.http_target.rsplit(":", 1)
+    body = json.dumps({"messages": QUESTION, "stream": True, "ignore_eos": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as client:
+        client.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvshare\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        received = b""
+        while received.count(b"data: ") < 3:  # the stream is under way
+            received += client.recv(65536)
+        assert received.startswith(b"HTTP/1.1 200")
+        wait_until(lambda: running(METRICS) == 1, LOG_TIMEOUT_S, "the stream to hold its row")
+        client.shutdown(socket.SHUT_RDWR)
+    wait_until(lambda: running(METRICS) == 0, LOG_TIMEOUT_S, "the worker to free the row of a client that left")
+    request_id = received.split(b'"id":"')[1].split(b'"')[0].decode()
+    wait_until(lambda: any(f"request {request_id} stopped after" in line for line in worker.log_lines),
+               LOG_TIMEOUT_S, "the request's line")
+    line = request_line(worker, request_id)
+    assert "(cancelled or failed)" in line, line

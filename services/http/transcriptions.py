@@ -14,6 +14,7 @@ import zlib
 from dataclasses import dataclass
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvshare.v1 import generator_pb2 as pb
 from services.audio.wav import WavError, read_layout
@@ -39,8 +40,8 @@ async def read_form(request: web.Request) -> TranscriptionForm:
         raise bad_request(None, "send the audio as multipart/form-data with a file field (as the OpenAI clients do)")
     try:
         form = await request.post()
-    except ValueError as exc:  # a malformed multipart body
-        raise bad_request(None, f"the multipart body does not parse ({exc})") from None
+    except (ValueError, HttpProcessingError) as exc:  # a malformed multipart body (413 passes: not these)
+        raise bad_request(None, f"the multipart body does not parse ({type(exc).__name__})") from None
     upload = form.get("file")
     if not isinstance(upload, web.FileField):
         raise bad_request("file", "a WAV file is required, as the multipart field file")
