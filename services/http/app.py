@@ -30,6 +30,9 @@ from services.http.upstream import Caller, Upstream, messages
 
 log = logging.getLogger(__name__)
 
+LOOP_PARSE_BYTES = 256 * 1024
+"""Bodies up to this size are parsed on the event loop (about a millisecond); larger ones (a long
+document as prompt, up to --max-message-bytes) on a thread, so that other streams' tokens flow."""
 _MODEL_SHOWN = 64
 """Characters of an unknown model name repeated in the 404's message."""
 
@@ -106,7 +109,9 @@ class HttpFace:
         return Caller.from_headers(request.headers.get("Authorization"), self.timeout_s)
 
     async def _body(self, request: web.Request) -> Body:
-        body = Body.parse(await request.read())
+        raw = await request.read()
+        # The loop also carries every other stream's tokens: a big body is parsed on a thread.
+        body = Body.parse(raw) if len(raw) <= LOOP_PARSE_BYTES else await asyncio.to_thread(Body.parse, raw)
         body.refuse_unsupported()
         return body
 
