@@ -13,6 +13,7 @@ import grpc
 import numpy as np
 import pytest
 from certs import TestCA
+from conftest import wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
@@ -253,6 +254,8 @@ def test_workers_share_blocks_through_rediss_with_an_acl_user_and_client_certifi
         with a.channel() as channel:
             assert generate(pb_grpc.GeneratorStub(channel)) == 0
         with tls_redis.client() as redis_client:
+            # Publishes run on the write threads, off the token path: the stream may end first.
+            wait_until(lambda: len(redis_client.keys("kvshare:v1:blk:*")) >= 3, 30, "worker A's blocks in Redis")
             stored = {k.decode(): redis_client.get(k) for k in redis_client.keys("kvshare:v1:blk:*")}
         keyring = Keyring.load(signing)
         assert len(stored) == 3 and all(isinstance(keyring.verify(k, v), memoryview) for k, v in stored.items())
