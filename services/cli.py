@@ -1,4 +1,4 @@
-"""The `kvshare` command: serve, route, generate, chat, build-model, fetch-model, demo.
+"""The `kvshare` command: serve, route, generate, chat, transcribe, build-model, fetch-model, demo.
 
 It sits above every face it starts (the worker in services/api/, the router in services/route/,
 the client, the demo in services/local/, the model builder) and nothing imports it, so that those
@@ -25,6 +25,9 @@ from services.modelbuild.presets import DECODER_PRESETS, MODEL_DTYPES  # noqa: E
 from services.runtime.kv_layout import KVLayout  # noqa: E402
 from services.serving.flags import add_settings_flags, settings_from  # noqa: E402
 
+USAGE = ("kvshare: gRPC (and OpenAI-compatible HTTP) decode workers for ONNX models that share prompt-prefix "
+         "K/V through Redis. serve runs a worker, route a prefix-aware router; generate, chat and transcribe "
+         "call one; build-model and fetch-model make model folders; demo shows two replicas sharing a cache.")
 
 def _serve(args: argparse.Namespace) -> int:
     from cachestore.factory import StoreURLError, url_holds_password
@@ -221,7 +224,7 @@ TEXT_ARG = "'-' reads standard input, @FILE reads FILE (needed past Linux's 128 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvshare", description=__doc__)
+    parser = _Parser(prog="kvshare", description=USAGE)
     sub = parser.add_subparsers(dest="command", required=True)  # sub-parsers are _Parser too
 
     serve = sub.add_parser("serve", help="serve a model folder over gRPC")

@@ -34,6 +34,9 @@ def target_with_port(target: str) -> str:
         return target
     if not target:
         raise ConnectionSettingsError("--target is empty: give HOST[:PORT]")
+    if "://" in target and scheme not in GRPC_SCHEMES:
+        raise ConnectionSettingsError(f"--target {target} is a URL: give the gRPC port's HOST[:PORT] (an --http-port "
+                                      "serves the OpenAI-compatible HTTP API, which this command does not speak)")
     if target.startswith("["):
         address, bracket, rest = target[1:].partition("]")
         if not bracket or not address:

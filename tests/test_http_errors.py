@@ -76,6 +76,16 @@ def test_bad_parameters_are_bad_request_errors_naming_the_parameter(worker):
     with pytest.raises(openai.NotFoundError) as info:
         client(worker).completions.create(model="gpt-4o", prompt="x")
     assert info.value.body["code"] == "model_not_found"
+    # The tiny model has no chat template and takes no audio: each face says where to go instead.
+    with pytest.raises(openai.BadRequestError) as info:
+        client(worker).chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}])
+    assert info.value.body["param"] == "messages" and "/v1/completions" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client(worker).audio.transcriptions.create(model=model, file=("a.wav", b"RIFF"))
+    assert info.value.body["param"] == "model" and "takes no audio" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client(worker).completions.create(model=model, prompt="x", max_tokens=0)
+    assert "leave it out" in info.value.body["message"]
 
 
 def send(method: str, url: str, body: bytes | None, key: str | None = KEY, content_type: str = "application/json"

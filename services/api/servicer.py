@@ -265,4 +265,5 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             slots=self._engine.scheduler.options.max_batch,
             slot_bytes=self._engine.slot_bytes,
             chat_template=self._engine.inputs.chat_template is not None,
+            audio_input=self._engine.spec.audio is not None,
         )

@@ -185,8 +185,8 @@ class InputProcessor:
     def _check_generation_fields(self, request: GenerationRequest) -> None:
         cap = self.max_new_tokens_cap
         if not 0 <= request.max_new_tokens <= cap:
-            raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap} (the worker's --max-new-tokens-cap), "
-                                 f"or 0 for as many as fit, got {request.max_new_tokens}")
+            raise InvalidRequest("max_new_tokens", f"must be between 1 and {cap} (the worker's --max-new-tokens-cap; "
+                                 f"unset: as many as fit), got {request.max_new_tokens}")
         s = request.sampling
         if not (math.isfinite(s.temperature) and s.temperature >= 0.0):
             raise InvalidRequest("sampling.temperature", f"must be a finite number >= 0 (0 = greedy), got {s.temperature}")

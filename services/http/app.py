@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 LOOP_PARSE_BYTES = 256 * 1024
 """Bodies up to this size are parsed on the event loop (about a millisecond); larger ones (a long
 document as prompt, up to --max-message-bytes) on a thread, so that other streams' tokens flow."""
+CHAT, COMPLETIONS, TRANSCRIPTIONS = "/v1/chat/completions", "/v1/completions", "/v1/audio/transcriptions"
 _MODEL_SHOWN = 64
 """Characters of an unknown model name repeated in the 404's message."""
 
@@ -85,9 +86,9 @@ class HttpFace:
             web.get("/health", self.health),
             web.get("/v1/models", self.models),
             web.get("/v1/models/{model}", self.model),
-            web.post("/v1/chat/completions", self.chat),
-            web.post("/v1/completions", self.completions),
-            web.post("/v1/audio/transcriptions", self.transcriptions),
+            web.post(CHAT, self.chat),
+            web.post(COMPLETIONS, self.completions),
+            web.post(TRANSCRIPTIONS, self.transcriptions),
         ])
         self._runner: web.AppRunner | None = None
 
@@ -115,16 +116,22 @@ class HttpFace:
         body.refuse_unsupported()
         return body
 
-    async def _served(self, asked: str | None, caller: Caller) -> str:
-        """The served model's name; 404 when the request names another."""
-        name = (await self.upstream.model_info(caller)).name
-        if asked is None or asked == name:
-            return name
-        name = (await self.upstream.model_info(caller, fresh=True)).name  # the fleet may have moved on
-        if asked != name:
-            raise ApiError(404, f"the model {asked[:_MODEL_SHOWN]!r} does not exist here: GET /v1/models lists the "
-                           "model this server serves", "invalid_request_error", "model", "model_not_found")
-        return name
+    async def _served(self, asked: str | None, caller: Caller, endpoint: str) -> pb.GetModelInfoResponse:
+        """The served model; 404 when the request names another, 400 when it cannot answer at
+        ``endpoint`` (text to a speech model, audio to a text model, chat without a template)."""
+        info = await self.upstream.model_info(caller)
+        if asked is not None and asked != info.name:
+            info = await self.upstream.model_info(caller, fresh=True)  # the fleet may have moved on
+            if asked != info.name:
+                raise ApiError(404, f"the model {asked[:_MODEL_SHOWN]!r} does not exist here: GET /v1/models lists "
+                               "the model this server serves", "invalid_request_error", "model", "model_not_found")
+        if info.audio_input and endpoint != TRANSCRIPTIONS:
+            raise bad_request("model", f"{info.name} is a speech model: POST its audio to {TRANSCRIPTIONS}")
+        if not info.audio_input and endpoint == TRANSCRIPTIONS:
+            raise bad_request("model", f"{info.name} takes no audio: send text to {CHAT} or {COMPLETIONS}")
+        if endpoint == CHAT and not info.chat_template:
+            raise bad_request("messages", f"{info.name} has no chat template: send a prompt to {COMPLETIONS}")
+        return info
 
     async def health(self, request: web.Request) -> web.Response:
         if await self.upstream.serving():
@@ -151,8 +158,8 @@ class HttpFace:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         call = chat_call(body, request_id)
         stream = body.boolean("stream")
-        completion = Completion(request_id, await self._served(body.string("model"), caller), [call], call.n, stream,
-                                _include_usage(body, stream))
+        model = (await self._served(body.string("model"), caller, CHAT)).name
+        completion = Completion(request_id, model, [call], call.n, stream, _include_usage(body, stream))
         return await respond(request, self.upstream, caller, completion, ChatFormat(call.logprobs))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -161,7 +168,7 @@ class HttpFace:
         found = prompts(body)
         calls = completion_calls(body, request_id, found)
         stream = body.boolean("stream")
-        model = await self._served(body.string("model"), caller)
+        model = (await self._served(body.string("model"), caller, COMPLETIONS)).name
         echoes = None
         if body.boolean("echo"):
             echoes = [await self._echo(p.text, p.token_ids, calls[0].prompt_logprobs, caller) for p in found]
@@ -183,7 +190,7 @@ class HttpFace:
     async def transcriptions(self, request: web.Request) -> web.Response:
         caller = self._caller(request)
         form = await read_form(request)
-        await self._served(form.model, caller)
+        await self._served(form.model, caller, TRANSCRIPTIONS)
         call = transcription_call(form, f"trsc-{uuid.uuid4().hex}")
         choices = Choices(1)
         async for message in messages(self.upstream.generate(call, caller)):

@@ -31,6 +31,8 @@ _STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
 """Anything else (INTERNAL, UNKNOWN, DATA_LOSS) is the server's fault: 500."""
+_CODES = {401: "invalid_api_key", 429: "rate_limit_exceeded"}
+"""OpenAI's codes for these statuses; a 400's code is null, as OpenAI's mostly are."""
 
 _GRPC_NAMES = {
     "max_new_tokens": "max_tokens",
@@ -39,8 +41,10 @@ _GRPC_NAMES = {
     "prompt_token_ids": "prompt",
     "encoder_audio": "file",
     "sampling.": "",
+    "the metadata 'authorization: Bearer KEY'": "the header 'Authorization: Bearer KEY'",
 }
-_RENAME = re.compile(r"\b(?:max_new_tokens|min_new_tokens|cache\.salt|prompt_token_ids|encoder_audio|sampling\.)")
+_RENAME = re.compile(r"\b(?:max_new_tokens|min_new_tokens|cache\.salt|prompt_token_ids|encoder_audio|sampling\.)"
+                     r"|the metadata 'authorization: Bearer KEY'")
 
 
 def http_name(text: str) -> str:
@@ -80,4 +84,5 @@ def from_rpc(err: grpc.aio.AioRpcError) -> ApiError:
         head, sep, _ = message.partition(": ")
         param = head if sep and " " not in head else None
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else {}
-    return ApiError(status, message, kind, param, err.code().name.lower(), headers)
+    return ApiError(status, message, kind, param, _CODES.get(status, None if status == 400 else err.code().name.lower()),
+                    headers)

@@ -43,7 +43,7 @@ def generation_request(body: Body, request_id: str, max_tokens_default: int) -> 
         request_id=request_id,
         sampling=sampling,
         max_new_tokens=_max_tokens(body, max_tokens_default),
-        min_new_tokens=body.integer("min_tokens", 0, 2**31) or 0,
+        min_new_tokens=body.integer("min_tokens", 0, 2**31 - 1) or 0,
         stop=body.strings("stop"),
         stop_token_ids=body.integers("stop_token_ids"),
         include_stop_str_in_output=body.boolean("include_stop_str_in_output"),
@@ -60,7 +60,9 @@ def generation_request(body: Body, request_id: str, max_tokens_default: int) -> 
 def _max_tokens(body: Body, default: int) -> int:
     """``max_completion_tokens`` (OpenAI's current name) over ``max_tokens``."""
     for name in ("max_completion_tokens", "max_tokens"):
-        value = body.integer(name, 1, 2**31)
+        value = body.integer(name, 0, 2**31 - 1)
+        if value == 0:
+            raise bad_request(name, "must be at least 1 (leave it out for as many tokens as fit)")
         if value is not None:
             return value
     return default
