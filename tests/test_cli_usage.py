@@ -159,10 +159,12 @@ def test_a_target_without_a_port_gets_the_workers_and_gRPC_forms_pass():
              "10.0.0.2:7000": "10.0.0.2:7000", "[::1]:7000": "[::1]:7000",
              "dns:///kvshare.inference.svc:50051": "dns:///kvshare.inference.svc:50051", "unix:/tmp/k.sock": "unix:/tmp/k.sock"}
     assert {target: target_with_port(target) for target in cases} == cases
-    for bad in ("", "host:", "host:0", "host:http", "host:70000", "[::1", "[::1]x"):
+    for bad in ("", "host:", "host:0", "host:http", "host:70000", "[::1", "[::1]x", "http://127.0.0.1:8000"):
         with pytest.raises(ConnectionSettingsError):
             target_with_port(bad)
     assert "--target host:http is not HOST[:PORT]" in one_line(kvshare("generate", "x", "--target", "host:http"), 2)
+    assert "is a URL: give the gRPC port's HOST[:PORT]" in one_line(
+        kvshare("generate", "x", "--target", "http://127.0.0.1:8000"), 2)
 
 
 @pytest.fixture(scope="module")
