@@ -124,6 +124,42 @@ def test_malformed_bodies_get_400_and_the_server_serves_on(worker, case):
     assert error["type"] == "invalid_request_error" and error["message"], case
 
 
+NAMED = {
+    "a role that is an array": ("chat/completions", {"messages": [{"role": ["user"], "content": "x"}]},
+                                "messages[0].role"),
+    "content with an unpaired surrogate": ("chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+                                           "messages[0].content"),
+    "a text part with an unpaired surrogate": (
+        "chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+        "messages[0].content[0].text"),
+    "a stop string with an unpaired surrogate": ("chat/completions", {**CHAT, "stop": ["ok", "\ud800"]}, "stop[1]"),
+    "cache_salt with an unpaired surrogate": ("chat/completions", {**CHAT, "cache_salt": "\ud800"}, "cache_salt"),
+    "a prompt with an unpaired surrogate": ("completions", {"prompt": "x\udfff"}, "prompt"),
+    "top_k beyond uint32": ("chat/completions", {**CHAT, "top_k": 2**40}, "top_k"),
+    "a stop token id beyond int32": ("chat/completions", {**CHAT, "stop_token_ids": [2**40]}, "stop_token_ids[0]"),
+    "temperature an integer beyond every float": ("chat/completions", {**CHAT, "temperature": 10**400}, "temperature"),
+    "a prompt token id beyond int32": ("completions", {"prompt": [1, 2**40]}, "prompt[1]"),
+    "token ids mixed with an array": ("completions", {"prompt": [1, [2]]}, "prompt"),
+    "an empty token-id prompt": ("completions", {"prompt": [[]]}, "prompt"),
+}
+"""Bodies the HTTP face refuses itself (each was a 500: protobuf or Python refused the value): the
+path under /v1, the body, and the parameter the 400 names."""
+
+
+@pytest.mark.parametrize("case", sorted(NAMED))
+def test_values_protobuf_cannot_hold_are_bad_requests_naming_the_field(worker, case):
+    path, body, param = NAMED[case]
+    status, reply = send("POST", f"http://{worker.http_target}/v1/{path}", json.dumps(body).encode())
+    assert status == 400 and reply["error"]["param"] == param, (case, status, reply)
+
+
+def test_several_token_id_prompts_are_answered_as_each_alone(worker):
+    model, ids = model_of(worker), [[5, 6, 7], [8, 9]]
+    both = client(worker).completions.create(model=model, prompt=ids, max_tokens=3, temperature=0)
+    alone = [client(worker).completions.create(model=model, prompt=p, max_tokens=3, temperature=0) for p in ids]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+
+
 def test_oversized_bodies_wrong_paths_and_methods_get_json_errors(worker):
     base = f"http://{worker.http_target}"
     multipart = "multipart/form-data; boundary=b"
@@ -184,3 +220,5 @@ def test_a_full_worker_is_a_rate_limit_error_and_a_client_that_leaves_frees_its_
     wait_until(lambda: running(metrics) == 0, LOG_TIMEOUT_S, "the worker to free the slot of a client that left")
     wait_until(lambda: any("request cmpl-" in line and "stopped after 0 generated tokens" in line
                            for line in worker.log_lines), LOG_TIMEOUT_S, "the worker's line for the cancelled request")
+
+
