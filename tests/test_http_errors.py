@@ -160,6 +160,18 @@ def test_several_token_id_prompts_are_answered_as_each_alone(worker):
     assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
 
 
+def test_an_authorization_gRPC_cannot_carry_is_a_missing_key(worker):
+    """Non-ASCII bytes in Authorization (as UTF-8 and as Latin-1) are no key: 401, never a 500."""
+    url = f"http://{worker.http_target}/v1/completions"
+    for value in ("Bearer \u00e9t\u00e9".encode(), b"Bearer \xff" + KEY.encode()):
+        request = urllib.request.Request(url, data=b'{"prompt": "x"}', method="POST",
+                                         headers={"Content-Type": "application/json", "Authorization": value})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=60)
+        reply = json.loads(info.value.read())
+        assert info.value.code == 401 and reply["error"]["type"] == "authentication_error", (value, reply)
+
+
 def test_oversized_bodies_wrong_paths_and_methods_get_json_errors(worker):
     base = f"http://{worker.http_target}"
     multipart = "multipart/form-data; boundary=b"

@@ -34,8 +34,11 @@ class Caller:
 
     @classmethod
     def from_headers(cls, authorization: str | None, timeout_s: float) -> Caller:
-        metadata = (("authorization", authorization),) if authorization else ()
-        return cls(metadata, timeout_s or None)
+        """An ``Authorization`` that gRPC metadata cannot carry (beyond printable ASCII, which no
+        API key is) is not passed on: a worker with API keys answers it as a missing key (401), one
+        without serves it, as any header it does not check."""
+        passed = authorization and authorization.isascii() and authorization.isprintable()
+        return cls((("authorization", authorization),) if passed else (), timeout_s or None)
 
 
 class Upstream:
