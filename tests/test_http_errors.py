@@ -182,6 +182,11 @@ def test_oversized_bodies_wrong_paths_and_methods_get_json_errors(worker):
             ("POST", "/v1/audio/transcriptions", b"--b\r\n" + b"x" * (4 * LIMIT), multipart, 400),
             ("POST", "/v1/audio/transcriptions", b"--b\r\nnot a part", multipart, 400),
             ("POST", "/v1/audio/transcriptions", b'{"file": "x"}', "application/json", 400),
+            # A part's unknown charset, an unknown Content-Transfer-Encoding: aiohttp's LookupError, RuntimeError.
+            ("POST", "/v1/audio/transcriptions", b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n'
+             b"Content-Type: text/plain; charset=no-such-charset\r\n\r\nhi\r\n--b--\r\n", multipart, 400),
+            ("POST", "/v1/audio/transcriptions", b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"'
+             b"\r\nContent-Transfer-Encoding: x-unknown\r\n\r\nRIFF\r\n--b--\r\n", multipart, 400),
             ("GET", "/v1/chat/completions", None, "application/json", 405),
             ("POST", "/v1/nothing-here", b"{}", "application/json", 404)):
         got, reply = send(method, base + path, body, content_type=kind)
