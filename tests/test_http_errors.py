@@ -5,17 +5,21 @@ wait is for a state (a log line, a metrics gauge), never for a duration."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import socket
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from conftest import wait_until
 from test_route import LOG_TIMEOUT_S, running
 
+from kvshare.v1 import generator_pb2 as pb
+from services.http.upstream import Caller, Upstream
 from services.local.redis_process import free_port
 from services.local.worker_process import WorkerProcess
 
@@ -239,3 +243,34 @@ def test_a_full_worker_is_a_rate_limit_error_and_a_client_that_leaves_frees_its_
                            for line in worker.log_lines), LOG_TIMEOUT_S, "the worker's line for the cancelled request")
 
 
+
+UNREAD_ROWS = 8
+"""Samples of the stream nobody reads: 8 x 1000 tokens with 20 alternatives each are megabytes of
+messages, far past the 64 KiB window a stream of the face's channel keeps."""
+
+
+def test_the_faces_channel_leaves_an_unread_stream_paused_at_the_worker(tiny_model):
+    """The HTTP face's gRPC channel (``Upstream``) holds no more of a stream than its window: once
+    an HTTP client stops reading, the worker's rows pause, and end after --max-paused-s, every
+    sample as ABORT; none runs on to its max_new_tokens into a window grown to fit it."""
+    metrics = free_port()
+    with WorkerProcess(tiny_model, "--max-batch", str(UNREAD_ROWS), "--max-unread-tokens", "8", "--max-paused-s", "1",
+                       "--metrics-port", str(metrics)) as worker:
+        async def read_late() -> list[pb.GenerateResponse]:
+            upstream = Upstream(worker.target, LIMIT)
+            try:
+                call = upstream.generate(pb.GenerateRequest(prompt="hello", max_new_tokens=1000, ignore_eos=True,
+                                                            n=UNREAD_ROWS, logprobs=True, top_logprobs=20),
+                                         Caller((), None))
+                answer = [await call.read()]  # the rows hold their slots
+                await asyncio.to_thread(wait_until, lambda: running(metrics) == 0, LOG_TIMEOUT_S,
+                                        "the unread stream's rows to end")
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    answer.append(message)
+                return answer
+            finally:
+                await upstream.close()
+
+        answer = asyncio.run(read_late())
+    finished = [message.finish_reason for message in answer if message.finish_reason]
+    assert finished == [pb.FINISH_REASON_ABORT] * UNREAD_ROWS, finished
