@@ -5,17 +5,21 @@ wait is for a state (a log line, a metrics gauge), never for a duration."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import socket
 import urllib.error
 import urllib.request
 
+import grpc
 import openai
 import pytest
 from conftest import wait_until
 from test_route import LOG_TIMEOUT_S, running
 
+from kvshare.v1 import generator_pb2 as pb
+from services.http.upstream import Caller, Upstream
 from services.local.redis_process import free_port
 from services.local.worker_process import WorkerProcess
 
@@ -134,6 +138,54 @@ def test_malformed_bodies_get_400_and_the_server_serves_on(worker, case):
     assert error["type"] == "invalid_request_error" and error["message"], case
 
 
+NAMED = {
+    "a role that is an array": ("chat/completions", {"messages": [{"role": ["user"], "content": "x"}]},
+                                "messages[0].role"),
+    "content with an unpaired surrogate": ("chat/completions", {"messages": [{"role": "user", "content": "a\ud800"}]},
+                                           "messages[0].content"),
+    "a text part with an unpaired surrogate": (
+        "chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]},
+        "messages[0].content[0].text"),
+    "a stop string with an unpaired surrogate": ("chat/completions", {**CHAT, "stop": ["ok", "\ud800"]}, "stop[1]"),
+    "cache_salt with an unpaired surrogate": ("chat/completions", {**CHAT, "cache_salt": "\ud800"}, "cache_salt"),
+    "a prompt with an unpaired surrogate": ("completions", {"prompt": "x\udfff"}, "prompt"),
+    "top_k beyond uint32": ("chat/completions", {**CHAT, "top_k": 2**40}, "top_k"),
+    "a stop token id beyond int32": ("chat/completions", {**CHAT, "stop_token_ids": [2**40]}, "stop_token_ids[0]"),
+    "temperature an integer beyond every float": ("chat/completions", {**CHAT, "temperature": 10**400}, "temperature"),
+    "a prompt token id beyond int32": ("completions", {"prompt": [1, 2**40]}, "prompt[1]"),
+    "token ids mixed with an array": ("completions", {"prompt": [1, [2]]}, "prompt"),
+    "an empty token-id prompt": ("completions", {"prompt": [[]]}, "prompt"),
+}
+"""Bodies the HTTP face refuses itself (each was a 500: protobuf or Python refused the value): the
+path under /v1, the body, and the parameter the 400 names."""
+
+
+@pytest.mark.parametrize("case", sorted(NAMED))
+def test_values_protobuf_cannot_hold_are_bad_requests_naming_the_field(worker, case):
+    path, body, param = NAMED[case]
+    status, reply = send("POST", f"http://{worker.http_target}/v1/{path}", json.dumps(body).encode())
+    assert status == 400 and reply["error"]["param"] == param, (case, status, reply)
+
+
+def test_several_token_id_prompts_are_answered_as_each_alone(worker):
+    model, ids = model_of(worker), [[5, 6, 7], [8, 9]]
+    both = client(worker).completions.create(model=model, prompt=ids, max_tokens=3, temperature=0)
+    alone = [client(worker).completions.create(model=model, prompt=p, max_tokens=3, temperature=0) for p in ids]
+    assert [c.text for c in both.choices] == [a.choices[0].text for a in alone]
+
+
+def test_an_authorization_gRPC_cannot_carry_is_a_missing_key(worker):
+    """Non-ASCII bytes in Authorization (as UTF-8 and as Latin-1) are no key: 401, never a 500."""
+    url = f"http://{worker.http_target}/v1/completions"
+    for value in ("Bearer \u00e9t\u00e9".encode(), b"Bearer \xff" + KEY.encode()):
+        request = urllib.request.Request(url, data=b'{"prompt": "x"}', method="POST",
+                                         headers={"Content-Type": "application/json", "Authorization": value})
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(request, timeout=60)
+        reply = json.loads(info.value.read())
+        assert info.value.code == 401 and reply["error"]["type"] == "authentication_error", (value, reply)
+
+
 def test_oversized_bodies_wrong_paths_and_methods_get_json_errors(worker):
     base = f"http://{worker.http_target}"
     multipart = "multipart/form-data; boundary=b"
@@ -144,6 +196,11 @@ def test_oversized_bodies_wrong_paths_and_methods_get_json_errors(worker):
             ("POST", "/v1/audio/transcriptions", b"--b\r\n" + b"x" * (4 * LIMIT), multipart, 400),
             ("POST", "/v1/audio/transcriptions", b"--b\r\nnot a part", multipart, 400),
             ("POST", "/v1/audio/transcriptions", b'{"file": "x"}', "application/json", 400),
+            # A part's unknown charset, an unknown Content-Transfer-Encoding: aiohttp's LookupError, RuntimeError.
+            ("POST", "/v1/audio/transcriptions", b'--b\r\nContent-Disposition: form-data; name="prompt"\r\n'
+             b"Content-Type: text/plain; charset=no-such-charset\r\n\r\nhi\r\n--b--\r\n", multipart, 400),
+            ("POST", "/v1/audio/transcriptions", b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"'
+             b"\r\nContent-Transfer-Encoding: x-unknown\r\n\r\nRIFF\r\n--b--\r\n", multipart, 400),
             ("GET", "/v1/chat/completions", None, "application/json", 405),
             ("POST", "/v1/nothing-here", b"{}", "application/json", 404)):
         got, reply = send(method, base + path, body, content_type=kind)
@@ -194,3 +251,36 @@ def test_a_full_worker_is_a_rate_limit_error_and_a_client_that_leaves_frees_its_
     wait_until(lambda: running(metrics) == 0, LOG_TIMEOUT_S, "the worker to free the slot of a client that left")
     wait_until(lambda: any("request cmpl-" in line and "stopped after 0 generated tokens" in line
                            for line in worker.log_lines), LOG_TIMEOUT_S, "the worker's line for the cancelled request")
+
+
+
+UNREAD_ROWS = 8
+"""Samples of the stream nobody reads: 8 x 1000 tokens with 20 alternatives each are megabytes of
+messages, far past the 64 KiB window a stream of the face's channel keeps."""
+
+
+def test_the_faces_channel_leaves_an_unread_stream_paused_at_the_worker(tiny_model):
+    """The HTTP face's gRPC channel (``Upstream``) holds no more of a stream than its window: once
+    an HTTP client stops reading, the worker's rows pause, and end after --max-paused-s, every
+    sample as ABORT; none runs on to its max_new_tokens into a window grown to fit it."""
+    metrics = free_port()
+    with WorkerProcess(tiny_model, "--max-batch", str(UNREAD_ROWS), "--max-unread-tokens", "8", "--max-paused-s", "1",
+                       "--metrics-port", str(metrics)) as worker:
+        async def read_late() -> list[pb.GenerateResponse]:
+            upstream = Upstream(worker.target, LIMIT)
+            try:
+                call = upstream.generate(pb.GenerateRequest(prompt="hello", max_new_tokens=1000, ignore_eos=True,
+                                                            n=UNREAD_ROWS, logprobs=True, top_logprobs=20),
+                                         Caller((), None))
+                answer = [await call.read()]  # the rows hold their slots
+                await asyncio.to_thread(wait_until, lambda: running(metrics) == 0, LOG_TIMEOUT_S,
+                                        "the unread stream's rows to end")
+                while (message := await call.read()) is not grpc.aio.EOF:
+                    answer.append(message)
+                return answer
+            finally:
+                await upstream.close()
+
+        answer = asyncio.run(read_late())
+    finished = [message.finish_reason for message in answer if message.finish_reason]
+    assert finished == [pb.FINISH_REASON_ABORT] * UNREAD_ROWS, finished

@@ -28,6 +28,12 @@ REFUSED = {
 }
 """Fields refused whenever set (not null): ignoring them would return something else than asked."""
 
+TOKEN_ID_MAX = 2**31 - 1
+"""The largest token id the gRPC request holds (its token id fields are int32): a larger one is no
+vocabulary's, and must be refused here, before protobuf refuses it with an exception."""
+UINT32_MAX = 2**32 - 1
+"""The largest value of the gRPC request's unsigned counts (``top_k``)."""
+
 
 class Body:
     """A request's JSON object. ``refuse_unsupported`` first, then the getters."""
@@ -63,7 +69,7 @@ class Body:
             return default
         if not isinstance(value, str):
             raise bad_request(name, f"must be a string, got {_kind(value)}")
-        return value
+        return text(name, value)
 
     def boolean(self, name: str, default: bool = False) -> bool:
         value = self.data.get(name)
@@ -89,7 +95,7 @@ class Body:
         value = self.data.get(name)
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(_as_float(value)):
             raise bad_request(name, f"must be a finite number, got {_kind(value)}")
         _check_range(name, value, lo, hi)
         return float(value)
@@ -100,17 +106,18 @@ class Body:
         if value is None:
             return []
         if isinstance(value, str):
-            return [value]
+            return [text(name, value)]
         if isinstance(value, list) and all(isinstance(v, str) for v in value):
-            return value
+            return [text(f"{name}[{i}]", v) for i, v in enumerate(value)]
         raise bad_request(name, f"must be a string or a list of strings, got {_kind(value)}")
 
-    def integers(self, name: str) -> list[int]:
+    def token_ids(self, name: str) -> list[int]:
+        """A list of token ids; absent: []."""
         value = self.data.get(name)
         if value is None:
             return []
-        if isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-            return value
+        if is_integers(value):
+            return checked_ids(name, value)
         raise bad_request(name, f"must be a list of integers, got {_kind(value)}")
 
     def object(self, name: str) -> Body | None:
@@ -122,10 +129,51 @@ class Body:
         return Body(value)
 
 
+def is_integers(value: Any) -> bool:
+    """Whether ``value`` is a JSON array of integers (true and false are not)."""
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def checked_ids(name: str, ids: list[int]) -> list[int]:
+    """``ids``, each within the gRPC request's int32; the worker checks them against its vocabulary."""
+    for i, token_id in enumerate(ids):
+        if not -TOKEN_ID_MAX - 1 <= token_id <= TOKEN_ID_MAX:
+            raise bad_request(f"{name}[{i}]", f"token id {token_id} is outside the vocabulary")
+    return ids
+
+
+def text(name: str, value: str) -> str:
+    """``value`` when it is Unicode text. JSON can spell an unpaired UTF-16 surrogate (``"\\ud800"``),
+    which Python's ``json`` keeps and no UTF-8 string (a protobuf ``string``) can hold."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise bad_request(name, f"holds an unpaired UTF-16 surrogate (\\u{ord(value[exc.start]):04x}) at character "
+                          f"{exc.start}: not Unicode text") from None
+    return value
+
+
+def _as_float(value: int | float) -> float:
+    """``value`` as a float; an integer beyond every float (Python reads JSON integers of up to 4300
+    digits) is infinite."""
+    try:
+        return float(value)
+    except OverflowError:
+        return math.inf
+
+
 def _check_range(name: str, value: float, lo: float | None, hi: float | None) -> None:
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         span = f"between {lo} and {hi}" if lo is not None and hi is not None else f">= {lo}" if lo is not None else f"<= {hi}"
-        raise bad_request(name, f"must be {span}, got {value}")
+        raise bad_request(name, f"must be {span}, got {_number(value)}")
+
+
+def _number(value: int | float) -> str:
+    """A number as messages show it: an integer of more than 20 digits (Python's json reads 4300) by its first
+    digits and its length."""
+    shown = str(value)
+    digits = len(shown.lstrip("-"))
+    return shown if isinstance(value, float) or digits <= 20 else f"{shown[:8]}... ({digits} digits)"
 
 
 def _kind(value: Any) -> str:
@@ -135,7 +183,8 @@ def _kind(value: Any) -> str:
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, int | float):
-        return f"the number {value}" if isinstance(value, int) or math.isfinite(value) else "a non-finite number"
+        finite = isinstance(value, int) or math.isfinite(value)
+        return f"the number {_number(value)}" if finite else "a non-finite number"
     if isinstance(value, str):
         return "a string"
     if isinstance(value, list):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvshare.v1 import generator_pb2 as pb
-from services.http.body import Body
+from services.http.body import Body, text
 from services.http.choices import Choice, Choices, chat_logprobs, finish_reason
 from services.http.errors import bad_request
 from services.http.generation_fields import generation_request
@@ -43,7 +43,7 @@ def _messages(body: Body) -> list[pb.ChatMessage]:
         if not isinstance(message, dict):
             raise bad_request(where, "must be an object with role and content")
         role = message.get("role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             shown = role if isinstance(role, str) and len(role) <= 32 else "this value"
             raise bad_request(f"{where}.role", f"{shown!r} is not one of {', '.join(ROLES)} (tool calls are not supported)")
         if message.get("tool_calls") or message.get("function_call"):
@@ -54,7 +54,7 @@ def _messages(body: Body) -> list[pb.ChatMessage]:
 
 def _content(content, where: str) -> str:
     if isinstance(content, str):
-        return content
+        return text(where, content)
     if not isinstance(content, list):
         raise bad_request(where, "must be a string or an array of text parts")
     texts = []
@@ -64,7 +64,7 @@ def _content(content, where: str) -> str:
             why = f"{kind!r} parts are not supported: only text" if kind and len(kind) <= 32 else \
                 "must be a {\"type\": \"text\", \"text\": ...} part"
             raise bad_request(f"{where}[{j}]", why)
-        texts.append(part["text"])
+        texts.append(text(f"{where}[{j}].text", part["text"]))
     return "\n".join(texts)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvshare.v1 import generator_pb2 as pb
-from services.http.body import Body
+from services.http.body import Body, checked_ids, is_integers, text
 from services.http.choices import Choice, Choices, finish_reason, text_logprobs
 from services.http.errors import bad_request
 from services.http.generation_fields import generation_request
@@ -33,23 +33,18 @@ def prompts(body: Body) -> list[Prompt]:
     raw = body.raw("prompt")
     shape = "must be a string, an array of strings, an array of token ids or an array of arrays of token ids"
     if isinstance(raw, str):
-        found = [Prompt(raw, None)]
+        found = [Prompt(text("prompt", raw), None)]
     elif isinstance(raw, list) and raw and all(isinstance(p, str) for p in raw):
-        found = [Prompt(p, None) for p in raw]
-    elif isinstance(raw, list) and raw and all(_ids(p) for p in raw):
-        found = [Prompt(None, raw)]
-    elif isinstance(raw, list) and raw and all(isinstance(p, list) and p and _ids(p) for p in raw):
-        found = [Prompt(None, p) for p in raw]
+        found = [Prompt(text(f"prompt[{i}]", p), None) for i, p in enumerate(raw)]
+    elif raw and is_integers(raw):
+        found = [Prompt(None, checked_ids("prompt", raw))]
+    elif isinstance(raw, list) and raw and all(p and is_integers(p) for p in raw):
+        found = [Prompt(None, checked_ids(f"prompt[{i}]", p)) for i, p in enumerate(raw)]
     else:
         raise bad_request("prompt", shape)
     if len(found) > MAX_PROMPTS:
         raise bad_request("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(found)}")
     return found
-
-
-def _ids(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) or (
-        isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value))
 
 
 def completion_calls(body: Body, request_id: str, found: list[Prompt]) -> list[pb.GenerateRequest]:

@@ -9,7 +9,7 @@ worker, whose refusal names the HTTP field (``errors.http_name``)."""
 from __future__ import annotations
 
 from kvshare.v1 import generator_pb2 as pb
-from services.http.body import Body
+from services.http.body import UINT32_MAX, Body
 from services.http.errors import bad_request
 
 DEFAULT_TEMPERATURE = 1.0
@@ -33,7 +33,7 @@ def generation_request(body: Body, request_id: str, max_tokens_default: int) -> 
         sampling.seed = seed % 2**64  # OpenAI takes any integer; the worker a uint64
     sampling.presence_penalty = _number(body, "presence_penalty", 0.0, -2.0, 2.0)
     sampling.frequency_penalty = _number(body, "frequency_penalty", 0.0, -2.0, 2.0)
-    top_k = body.integer("top_k", -1)
+    top_k = body.integer("top_k", -1, UINT32_MAX)
     sampling.top_k = 0 if top_k in (None, -1) else top_k  # vLLM's -1 and kvshare's 0 both mean off
     sampling.min_p = _number(body, "min_p", 0.0, 0.0, 1.0)
     repetition = body.number("repetition_penalty", 0.01, 100.0)
@@ -45,7 +45,7 @@ def generation_request(body: Body, request_id: str, max_tokens_default: int) -> 
         max_new_tokens=_max_tokens(body, max_tokens_default),
         min_new_tokens=body.integer("min_tokens", 0, 2**31 - 1) or 0,
         stop=body.strings("stop"),
-        stop_token_ids=body.integers("stop_token_ids"),
+        stop_token_ids=body.token_ids("stop_token_ids"),
         include_stop_str_in_output=body.boolean("include_stop_str_in_output"),
         ignore_eos=body.boolean("ignore_eos"),
         n=body.integer("n", 1, MAX_N) or 1,

@@ -40,7 +40,9 @@ async def read_form(request: web.Request) -> TranscriptionForm:
         raise bad_request(None, "send the audio as multipart/form-data with a file field (as the OpenAI clients do)")
     try:
         form = await request.post()
-    except (ValueError, HttpProcessingError) as exc:  # a malformed multipart body (413 passes: not these)
+    # A malformed multipart body (413 passes: not these); aiohttp raises LookupError for a part's
+    # unknown charset and RuntimeError for its unknown Content-Transfer-Encoding.
+    except (ValueError, LookupError, RuntimeError, HttpProcessingError) as exc:
         raise bad_request(None, f"the multipart body does not parse ({type(exc).__name__})") from None
     upload = form.get("file")
     if not isinstance(upload, web.FileField):

@@ -34,8 +34,11 @@ class Caller:
 
     @classmethod
     def from_headers(cls, authorization: str | None, timeout_s: float) -> Caller:
-        metadata = (("authorization", authorization),) if authorization else ()
-        return cls(metadata, timeout_s or None)
+        """An ``Authorization`` that gRPC metadata cannot carry (beyond printable ASCII, which no
+        API key is) is not passed on: a worker with API keys answers it as a missing key (401), one
+        without serves it, as any header it does not check."""
+        passed = authorization and authorization.isascii() and authorization.isprintable()
+        return cls((("authorization", authorization),) if passed else (), timeout_s or None)
 
 
 class Upstream:
@@ -46,6 +49,11 @@ class Upstream:
         self.channel = grpc.aio.insecure_channel(target, options=[
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", -1),
+            # A stream's HTTP/2 window stays at its initial 64 KiB: with bandwidth-delay probing it
+            # grows on this socket to megabytes, so a client that stops reading would leave the
+            # worker's answer piling up here while the row runs on, never paused (nor ended after
+            # --max-paused-s) by the worker's bound on unread tokens.
+            ("grpc.http2.bdp_probe", 0),
         ])
         self._stub = pb_grpc.GeneratorStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
