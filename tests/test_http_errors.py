@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import http.client
 import json
 import socket
 import urllib.error
@@ -193,7 +194,7 @@ def test_oversized_bodies_wrong_paths_and_methods_get_json_errors(worker):
             ("POST", "/v1/completions", b"x" * (LIMIT + 1), "application/json", 413),
             ("POST", "/v1/audio/transcriptions", b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.wav"'
              b"\r\n\r\n" + b"x" * (4 * LIMIT) + b"\r\n--b--\r\n", multipart, 413),
-            ("POST", "/v1/audio/transcriptions", b"--b\r\n" + b"x" * (4 * LIMIT), multipart, 400),
+            ("POST", "/v1/audio/transcriptions", b"--b\r\n" + b"x" * (LIMIT // 2), multipart, 400),
             ("POST", "/v1/audio/transcriptions", b"--b\r\nnot a part", multipart, 400),
             ("POST", "/v1/audio/transcriptions", b'{"file": "x"}', "application/json", 400),
             # A part's unknown charset, an unknown Content-Transfer-Encoding: aiohttp's LookupError, RuntimeError.
@@ -284,3 +285,21 @@ def test_the_faces_channel_leaves_an_unread_stream_paused_at_the_worker(tiny_mod
         answer = asyncio.run(read_late())
     finished = [message.finish_reason for message in answer if message.finish_reason]
     assert finished == [pb.FINISH_REASON_ABORT] * UNREAD_ROWS, finished
+
+
+def test_a_body_of_unknown_length_waits_for_the_key_and_an_announced_oversize_is_refused_unread(worker):
+    """Nobody without a key makes the server read a body that may be big: a chunked one (no
+    Content-Length) is answered 401 before it is read, and one announced over the limit 413
+    before a byte of it is sent."""
+    host, port = worker.http_target.rsplit(":", 1)
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    connection.request("POST", "/v1/completions", body=iter([b'{"prompt": "x", "max_tokens": 2}']),
+                       headers={"Content-Type": "application/json"}, encode_chunked=True)
+    reply = connection.getresponse()
+    assert reply.status == 401 and json.loads(reply.read())["error"]["type"] == "authentication_error"
+    connection.close()
+    with socket.create_connection((host, int(port)), timeout=60) as raw:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: kvshare\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % (100 * LIMIT))
+        head = raw.recv(65536)
+    assert head.startswith(b"HTTP/1.1 413"), head[:200]

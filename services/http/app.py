@@ -13,7 +13,9 @@ import asyncio
 import logging
 import ssl
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 from aiohttp import web
@@ -29,10 +31,21 @@ from services.http.transcriptions import answer, read_form, transcription_call
 from services.http.upstream import Caller, Upstream, messages
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+R = TypeVar("R")
 
 LOOP_PARSE_BYTES = 256 * 1024
-"""Bodies up to this size are parsed on the event loop (about a millisecond); larger ones (a long
-document as prompt, up to --max-message-bytes) on a thread, so that other streams' tokens flow."""
+"""Bodies up to this size are read without checking the caller's key first, and parsed and
+translated on the event loop (about a millisecond); larger ones only once the gRPC server has
+accepted the key (a fresh GetModelInfo), and on a thread, so that other streams' tokens flow
+(except while ``json.loads``, one C call, holds the GIL: hence ``MAX_JSON_BYTES``)."""
+MAX_JSON_BYTES = 4 * 1024 * 1024
+"""The largest JSON body (the chat and text endpoints): room for any context's prompt as text or
+token ids (a 128k-token context is about 0.5 MB of text), while parsing the worst such body holds
+the loop a fraction of a second. --max-message-bytes (32 MiB by default, for audio) bounds uploads."""
+BODY_READ_S = 60.0
+"""A body must arrive within this long once its headers have: a client trickling bytes in holds a
+connection and its buffer, not the server, forever (408)."""
 CHAT, COMPLETIONS, TRANSCRIPTIONS = "/v1/chat/completions", "/v1/completions", "/v1/audio/transcriptions"
 _MODEL_SHOWN = 64
 """Characters of an unknown model name repeated in the 404's message."""
@@ -109,12 +122,32 @@ class HttpFace:
     def _caller(self, request: web.Request) -> Caller:
         return Caller.from_headers(request.headers.get("Authorization"), self.timeout_s)
 
-    async def _body(self, request: web.Request) -> Body:
-        raw = await request.read()
-        # The loop also carries every other stream's tokens: a big body is parsed on a thread.
-        body = Body.parse(raw) if len(raw) <= LOOP_PARSE_BYTES else await asyncio.to_thread(Body.parse, raw)
-        body.refuse_unsupported()
-        return body
+    async def _admit(self, request: web.Request, caller: Caller, limit: int, what: str) -> None:
+        """Before a body is read: 413 for one announced over ``limit``, and for one that may be
+        big (over ``LOOP_PARSE_BYTES`` or of unknown length), the caller's key checked first, so
+        that nobody without a key makes the server buffer or parse megabytes."""
+        length = request.content_length
+        if length is not None and length > limit:
+            raise too_large(limit, what)
+        if length is None or length > LOOP_PARSE_BYTES:
+            await self.upstream.model_info(caller, fresh=True)
+
+    async def _translated(self, request: web.Request, caller: Caller, build: Callable[[Body], T]) -> T:
+        """``build(body)`` of the request's JSON body, bounded by ``MAX_JSON_BYTES``."""
+        limit = min(MAX_JSON_BYTES, self.app["max_body_bytes"])
+        what = "JSON bodies" if limit == MAX_JSON_BYTES else "the server's --max-message-bytes"
+        await self._admit(request, caller, limit, what)
+        raw = await _read_in_time(request.read())
+        if len(raw) > limit:
+            raise too_large(limit, what)
+
+        def translate(data: bytes) -> T:
+            body = Body.parse(data)
+            body.refuse_unsupported()
+            return build(body)
+
+        # The loop also carries every other stream's tokens: a big body is translated on a thread.
+        return translate(raw) if len(raw) <= LOOP_PARSE_BYTES else await asyncio.to_thread(translate, raw)
 
     async def _served(self, asked: str | None, caller: Caller, endpoint: str) -> pb.GetModelInfoResponse:
         """The served model; 404 when the request names another, 400 when it cannot answer at
@@ -154,19 +187,21 @@ class HttpFace:
                 "max_model_len": info.context_length}
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        body, caller = await self._body(request), self._caller(request)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        call = chat_call(body, request_id)
+        caller, request_id = self._caller(request), f"chatcmpl-{uuid.uuid4().hex}"
+        body, call = await self._translated(request, caller, lambda b: (b, chat_call(b, request_id)))
         stream = body.boolean("stream")
         model = (await self._served(body.string("model"), caller, CHAT)).name
         completion = Completion(request_id, model, [call], call.n, stream, _include_usage(body, stream))
         return await respond(request, self.upstream, caller, completion, ChatFormat(call.logprobs))
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        body, caller = await self._body(request), self._caller(request)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        found = prompts(body)
-        calls = completion_calls(body, request_id, found)
+        caller, request_id = self._caller(request), f"cmpl-{uuid.uuid4().hex}"
+
+        def build(body: Body):
+            found = prompts(body)
+            return body, found, completion_calls(body, request_id, found)
+
+        body, found, calls = await self._translated(request, caller, build)
         stream = body.boolean("stream")
         model = (await self._served(body.string("model"), caller, COMPLETIONS)).name
         echoes = None
@@ -189,13 +224,22 @@ class HttpFace:
 
     async def transcriptions(self, request: web.Request) -> web.Response:
         caller = self._caller(request)
-        form = await read_form(request)
+        await self._admit(request, caller, self.app["max_body_bytes"], "the server's --max-message-bytes")
+        form = await _read_in_time(read_form(request))
         await self._served(form.model, caller, TRANSCRIPTIONS)
         call = transcription_call(form, f"trsc-{uuid.uuid4().hex}")
         choices = Choices(1)
         async for message in messages(self.upstream.generate(call, caller)):
             choices.add(0, message)
         return answer(form, choices)
+
+
+async def _read_in_time(reading: Awaitable[R]) -> R:
+    try:
+        async with asyncio.timeout(BODY_READ_S):
+            return await reading
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_READ_S:.0f} s", code="timeout") from None
 
 
 def _include_usage(body: Body, stream: bool) -> bool:

@@ -192,6 +192,5 @@ def _kind(value: Any) -> str:
     return "an object"
 
 
-def too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body exceeds {limit} bytes (the server's --max-message-bytes)",
-                    code="request_too_large")
+def too_large(limit: int, what: str = "the server's --max-message-bytes") -> ApiError:
+    return ApiError(413, f"the request body exceeds {limit} bytes ({what})", code="request_too_large")
