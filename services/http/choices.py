@@ -29,18 +29,26 @@ def finish_reason(message: pb.GenerateResponse) -> str | None:
 
 @dataclass(slots=True)
 class Choice:
-    """One sample of one prompt, as its messages arrive."""
+    """One sample of one prompt, as its messages arrive. Its text is kept as the messages'
+    pieces, joined once when asked for: appending to one string per message would copy the
+    whole answer so far for every token. ``length`` is the text's length in characters."""
 
     index: int
-    text: str = ""
+    pieces: list[str] = field(default_factory=list)
+    length: int = 0
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     usage: pb.Usage | None = None
 
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
     def add(self, message: pb.GenerateResponse) -> None:
-        self.text += message.text
+        self.pieces.append(message.text)
+        self.length += len(message.text)
         self.token_ids.extend(message.token_ids)
         self.logprobs.extend(message.logprobs)
         self.prompt_logprobs.extend(message.prompt_logprobs)

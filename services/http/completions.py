@@ -86,7 +86,7 @@ class TextFormat:
     _sample0: dict[int, Choice] = field(default_factory=dict)
 
     def delta(self, prompt: int, choice: Choice, message: pb.GenerateResponse, first: bool) -> list[dict]:
-        before = len(choice.text) - len(message.text)
+        before = choice.length - len(message.text)
         if choice.index % self.n == 0:
             self._sample0[prompt] = choice
         if self.echoes is None or not self.logprobs or prompt in self._ready:
