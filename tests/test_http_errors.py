@@ -10,6 +10,7 @@ import hashlib
 import http.client
 import json
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -303,3 +304,11 @@ def test_a_body_of_unknown_length_waits_for_the_key_and_an_announced_oversize_is
                     b"Content-Length: %d\r\n\r\n" % (100 * LIMIT))
         head = raw.recv(65536)
     assert head.startswith(b"HTTP/1.1 413"), head[:200]
+
+
+def test_a_requests_calls_share_one_deadline():
+    """--http-timeout-s bounds the whole request: each call it makes (the echo's Tokenize calls,
+    then Generate) gets what is left of one deadline, not the whole timeout again."""
+    assert Caller.from_headers(None, 0).timeout_s is None
+    assert 0 < Caller.from_headers(None, 30).timeout_s <= 30
+    assert Caller((), time.monotonic() - 1).timeout_s == 0

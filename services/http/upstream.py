@@ -29,8 +29,13 @@ class Caller:
     """What an HTTP request passes on to each gRPC call."""
 
     metadata: Metadata
-    timeout_s: float | None
-    """Seconds left to the request's deadline; None: no deadline."""
+    deadline: float | None
+    """The request's deadline (``time.monotonic``), shared by every call it makes; None: none."""
+
+    @property
+    def timeout_s(self) -> float | None:
+        """Seconds left to the deadline, for the next call (None: no deadline)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     @classmethod
     def from_headers(cls, authorization: str | None, timeout_s: float) -> Caller:
@@ -38,7 +43,8 @@ class Caller:
         API key is) is not passed on: a worker with API keys answers it as a missing key (401), one
         without serves it, as any header it does not check."""
         passed = authorization and authorization.isascii() and authorization.isprintable()
-        return cls((("authorization", authorization),) if passed else (), timeout_s or None)
+        return cls((("authorization", authorization),) if passed else (),
+                   time.monotonic() + timeout_s if timeout_s else None)
 
 
 class Upstream:
@@ -74,7 +80,7 @@ class Upstream:
         now = time.monotonic()
         if fresh or self._info is None or now - self._info_at > MODEL_INFO_TTL_S:
             self._info = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), metadata=caller.metadata,
-                                                       timeout=caller.timeout_s or 10.0)
+                                                       timeout=10.0 if caller.timeout_s is None else caller.timeout_s)
             self._info_at = now
         return self._info
 
