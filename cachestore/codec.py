@@ -4,7 +4,8 @@ Layout (little-endian)::
 
     magic  b"KVSH"        4 bytes
     version               u8
-    kind                  u8   (1 = prefix block, 2 = cross-attention K/V)
+    kind                  u8   (1 = prefix block, 2 = cross-attention K/V, 3 = a prefix block's
+                               windowed layers)
     dtype                 u8   (1 = float32, 2 = float16, 3 = bfloat16)
     ndim                  u8
     dims                  u32 x ndim
@@ -48,7 +49,11 @@ _BF16_INF = 0x7F80
 
 class ValueKind(IntEnum):
     PREFIX_BLOCK = 1
+    """A block's K/V of every layer, or of the layers that read every earlier position when the
+    model has windowed ones (``cachestore.prefix.KVGeometry``)."""
     CROSS_KV = 2
+    WINDOW_BLOCK = 3
+    """A block's K/V of the windowed layers alone."""
 
 
 _DTYPES = {np.dtype(np.float32): 1, np.dtype(np.float16): 2, BFLOAT16: 3}

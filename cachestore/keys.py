@@ -76,6 +76,11 @@ def block_key(block_hash: BlockHash) -> str:
     return KEY_PREFIX + "blk:" + block_hash.hex()
 
 
+def window_block_key(block_hash: BlockHash) -> str:
+    """The store key of a block's windowed layers (models with sliding-window layers only)."""
+    return KEY_PREFIX + "blkw:" + block_hash.hex()
+
+
 def lease_key(block_hash: BlockHash) -> str:
     """The store key of the lease on computing the run of blocks that starts at this block."""
     return KEY_PREFIX + "lease:" + block_hash.hex()

@@ -2,13 +2,21 @@
 
 Tensors here are in the canonical layout ``[layers, 2 (k, v), kv_heads, tokens, head_dim]``; the
 engine converts to and from its model's own layout. Only full blocks are ever stored.
+
+Models with sliding-window layers (``KVGeometry.window``) keep each block as two values: the
+layers that read every earlier position (under the block's key, ``ValueKind.PREFIX_BLOCK``) and the
+windowed ones (``window_block_key``, ``ValueKind.WINDOW_BLOCK``); the canonical layer axis holds
+the first group, then the second. A continuation after a cached run of N tokens reads the first
+group for all N, the second only for the blocks that cover its last ``window - 1`` positions
+(``complete_windows``): for Gemma 3 270M at a 4,096-token prefix about a quarter of the bytes.
+Every publish writes both, since any block may end some later prompt's run.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -20,7 +28,13 @@ from cachestore.codec import (
     decode,
     encode,
 )
-from cachestore.keys import BlockHash, Namespace, block_hashes, block_key
+from cachestore.keys import (
+    BlockHash,
+    Namespace,
+    block_hashes,
+    block_key,
+    window_block_key,
+)
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
@@ -29,6 +43,11 @@ log = logging.getLogger(__name__)
 # One line per 10 s however many values a fault rejects; each is still counted in CacheStats.
 _rejected = RateLimitedLog(log)
 CANONICAL_LAYOUT = "layers,kv,kv_heads,tokens,head_dim"
+
+
+Receiver = Callable[[int, np.ndarray, slice], bool]
+"""Takes block ``i``'s checked value and the canonical layers it holds (``KVGeometry.full`` or
+``windowed``) as it arrives; True keeps the value in the lookup, False drops it (copied already)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +59,40 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: np.dtype
+    window: int = 0
+    """Positions a windowed layer's query sees, its own included; 0: no windowed layers."""
+    window_layers: int = 0
+    """How many layers are windowed: the last ones of the canonical layer axis."""
 
-    def block_shape(self, block_tokens: int) -> tuple[int, int, int, int, int]:
-        return (self.num_layers, 2, self.num_kv_heads, block_tokens, self.head_dim)
+    def __post_init__(self) -> None:
+        if (self.window > 0) != (self.window_layers > 0) or not 0 <= self.window_layers <= self.num_layers:
+            raise ValueError("a window needs windowed layers, and windowed layers a window")
+
+    @property
+    def full(self) -> slice:
+        """The canonical layers a continuation reads at every earlier position."""
+        return slice(0, self.num_layers - self.window_layers)
+
+    @property
+    def windowed(self) -> slice:
+        """The canonical layers a continuation reads over its last ``window`` positions only."""
+        return slice(self.num_layers - self.window_layers, self.num_layers)
+
+    def block_shape(self, block_tokens: int, layers: slice | None = None) -> tuple[int, int, int, int, int]:
+        """A stored value's shape: the ``full`` group's layers unless ``layers`` says otherwise."""
+        start, stop, _ = (layers or self.full).indices(self.num_layers)
+        return (stop - start, 2, self.num_kv_heads, block_tokens, self.head_dim)
+
+    def window_floor(self, window_from: int, block_size: int) -> int:
+        """The fewest tokens of a sequence whose windowed layers hold K/V from block
+        ``window_from`` on that another may copy and continue from: it reads ``window - 1``
+        positions before its own. 0 when every position is held."""
+        return window_from * block_size + self.window - 1 if window_from and self.window_layers else 0
+
+    def window_blocks(self, cached: int, block_size: int, first: int = 0) -> range:
+        """The blocks whose windowed layers a continuation after ``cached`` tokens reads: those
+        holding positions ``cached - window + 1 .. cached - 1``, none before block ``first``."""
+        return range(max(first, (cached - self.window + 1) // block_size), -(-cached // block_size))
 
 
 @dataclass(slots=True)
@@ -56,10 +106,17 @@ class PrefixLookup:
     one): read-only views of the fetched values, no copy. Emptied by ``release``."""
     hit_blocks: int = 0
     """Length of the run found (kept after ``release``)."""
+    windows: list[tuple[int, np.ndarray]] = field(default_factory=list)
+    """Models with windowed layers: (block index, the windowed layers' canonical K/V) of the
+    blocks ``complete_windows`` read that its ``into`` kept. Emptied by ``release``."""
+    window_from: int = 0
+    """The first block whose windowed layers' K/V is in place (read, or computed by the reader
+    before the lookup's first block); 0 for models without windowed layers."""
 
     def release(self) -> None:
         """Drops the fetched values (they are in the slot now), keeping what was found."""
         self.blocks = []
+        self.windows = []
 
 
 class PrefixStore:
@@ -71,58 +128,106 @@ class PrefixStore:
     def hashes(self, namespace: Namespace, token_ids: Sequence[int]) -> list[BlockHash]:
         return block_hashes(namespace, token_ids)
 
-    def lookup(self, namespace: Namespace, token_ids: Sequence[int],
-               into: Callable[[int, np.ndarray], bool] | None = None) -> PrefixLookup:
+    def lookup(self, namespace: Namespace, token_ids: Sequence[int], into: Receiver | None = None) -> PrefixLookup:
         """One batched read of every full block's key, each value checked as it arrives; the run
         stops at the first miss, and a value that fails a check is counted, deleted, and ends the
-        run like a miss. With ``into``, block ``i`` of the run goes to ``into(i, block)`` as soon as
-        it is checked, before the next value is read, and is kept only if ``into`` returns True:
-        a fetch that copies each block into its slot holds one value at a time."""
+        run like a miss. With ``into``, block ``i`` of the run goes to ``into(i, block, layers)`` as
+        soon as it is checked, before the next value is read, and is kept only if ``into`` returns
+        True: a fetch that copies each block into its slot holds one value at a time. With windowed
+        layers this reads the ``full`` group only: ``complete_windows`` reads the rest."""
         found = PrefixLookup(hashes=self.hashes(namespace, token_ids), blocks=[])
         hits = self.extend(found, namespace.block_size, into)
         self.stats.add(block_hits=hits, block_misses=len(found.hashes) - hits)
         return found
 
-    def extend(self, found: PrefixLookup, block_size: int, into: Callable[[int, np.ndarray], bool] | None = None,
+    def extend(self, found: PrefixLookup, block_size: int, into: Receiver | None = None,
                limit: int | None = None) -> int:
         """Reads on from the end of ``found``'s run (blocks another worker published since), at
         most ``limit`` blocks, as ``lookup`` reads; adds them to ``found`` and returns how many
         were added. Not counted as hits or misses: ``lookup`` counted the prompt's blocks once."""
         first = found.hit_blocks
-        hashes = found.hashes[first : None if limit is None else first + limit]
-        keys = [block_key(h) for h in hashes]
-        expected = Expected(ValueKind.PREFIX_BLOCK, b"", self.geometry.dtype, self.geometry.block_shape(block_size),
-                            self.store.authenticated)
-        hits, rejected = 0, []
+        indices = range(first, len(found.hashes) if limit is None else min(len(found.hashes), first + limit))
+        hits = 0
+        for i, block in self._read(found.hashes, indices, block_size, self.geometry.full, stop_at_miss=True):
+            if into is None or into(i, block, self.geometry.full):
+                found.blocks.append(block)
+            hits += 1
+        found.hit_blocks += hits
+        return hits
+
+    def complete_windows(self, found: PrefixLookup, block_size: int, prompt_tokens: int, into: Receiver | None = None,
+                         first: int = 0) -> int:
+        """Models with windowed layers, once ``found``'s run is final: reads the windowed layers of
+        the blocks a continuation after the run reads (``KVGeometry.window_blocks``; the reader
+        holds every block before ``first`` itself), handing each to ``into`` as ``lookup`` does.
+        The last prompt token always runs, so a run over the whole prompt is continued from
+        ``prompt_tokens - 1``. When one of those values is missing or bad, the run ends before
+        that block and the blocks the shorter run needs are read: the run only ever shrinks, and
+        each value is read at most once. Sets ``found.window_from``; returns the run's length."""
+        geometry, n = self.geometry, found.hit_blocks
+        if not geometry.window_layers:
+            return n
+        present: set[int] = set()
+        read: set[int] = set()
+        while n > first:
+            needed = geometry.window_blocks(min(n * block_size, prompt_tokens - 1), block_size, first)
+            missing = [i for i in needed if i not in read]
+            read.update(missing)
+            for i, block in self._read(found.hashes, missing, block_size, geometry.windowed, stop_at_miss=False):
+                present.add(i)
+                if into is None or into(i, block, geometry.windowed):
+                    found.windows.append((i, block))
+            absent = [i for i in needed if i not in present]
+            if not absent:
+                found.window_from = needed.start
+                break
+            self.stats.add(window_misses=1)
+            n = max(absent)
+        found.hit_blocks = max(n, first)
+        return found.hit_blocks
+
+    def _read(self, hashes: Sequence[BlockHash], indices: Sequence[int], block_size: int, layers: slice,
+              stop_at_miss: bool) -> Iterator[tuple[int, np.ndarray]]:
+        """Blocks ``indices`` of one layer group in one batched read, each checked as it arrives:
+        yields (index, value) for each that passes; a value that fails is counted and deleted. With
+        ``stop_at_miss`` the first miss or failure ends the read."""
+        if not indices:
+            return
+        full = layers == self.geometry.full
+        keys = [(block_key if full else window_block_key)(hashes[i]) for i in indices]
+        expected = Expected(ValueKind.PREFIX_BLOCK if full else ValueKind.WINDOW_BLOCK, b"", self.geometry.dtype,
+                            self.geometry.block_shape(block_size, layers), self.store.authenticated)
+        rejected = []
         values = self.store.iter_many(keys)
         try:
-            for h, key, value in zip(hashes, keys, values, strict=False):
+            for i, key, value in zip(indices, keys, values, strict=False):
                 if value is None:
-                    break
+                    if stop_at_miss:
+                        break
+                    continue
                 try:
-                    block = decode(value, replace(expected, owner=h))
+                    block = decode(value, replace(expected, owner=hashes[i]))
                 except CodecError as exc:
                     self.stats.count("rejected_values", exc.reason)
                     _rejected.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
                     rejected.append(key)
-                    break
+                    if stop_at_miss:
+                        break
+                    continue
                 self.stats.add(bytes_read=len(value))
-                if into is None or into(first + hits, block):
-                    found.blocks.append(block)
-                hits += 1
+                yield i, block
         finally:
             values.close()  # hands the stream's connection back before the delete needs one
-        if rejected:
-            self.store.delete(rejected)
-        found.hit_blocks += hits
-        return hits
+            if rejected:
+                self.store.delete(rejected)
 
     def publish(self, hashes: Sequence[BlockHash], kv: np.ndarray, first_block: int, block_size: int) -> int:
         """Writes blocks ``first_block .. len(hashes)`` under their hashes, set-if-absent; ``kv``
         (canonical, any float dtype) holds exactly those blocks' tokens, from block ``first_block``
         on, and is narrowed to the storage dtype here. A block that would not pass a reader's range
         check once narrowed ends the publish there: later blocks are only reachable through it.
-        Returns how many were new.
+        With windowed layers each block is two values (the module's docstring), both written.
+        Returns how many values were new.
 
         Block ``first_block`` is written last, in a write of its own, once every later block is
         stored: a lookup, which stops at its first miss, finds none of this publish's blocks or
@@ -133,17 +238,23 @@ class PrefixStore:
         its values span several socket reads, and a cluster writes to each node apart."""
         size = block_size
         assert kv.shape[3] == (len(hashes) - first_block) * size, "kv must hold exactly the blocks to publish"
-        items = []
+        geometry = self.geometry
+        items, windows = [], []
         for i in range(first_block, len(hashes)):
             j = i - first_block
-            block = kv[:, :, :, j * size : (j + 1) * size, :].astype(self.geometry.dtype, copy=False)
+            block = kv[:, :, :, j * size : (j + 1) * size, :].astype(geometry.dtype, copy=False)
             try:
                 check_range(block)
             except CodecError as exc:
                 _rejected.warning("block %s and later ones not stored (%s)", block_key(hashes[i]), exc)
                 break
-            items.append((block_key(hashes[i]), encode(ValueKind.PREFIX_BLOCK, hashes[i], block)))
-        gate, run = items[:1], items[1:]
+            items.append((block_key(hashes[i]), encode(ValueKind.PREFIX_BLOCK, hashes[i], block[geometry.full])))
+            if geometry.window_layers:
+                windows.append((window_block_key(hashes[i]),
+                                encode(ValueKind.WINDOW_BLOCK, hashes[i], block[geometry.windowed])))
+        # A reader that finds a block's first group finds its second: both are in before the gate.
+        gate, run = items[:1], items[1:] + windows
+        items += windows
         written = (self.store.put_many(run) if run else 0) + self.store.put_many(gate)
         self.stats.add(blocks_written=written, bytes_sent=sum(len(v) for _, v in items))
         return written

@@ -25,6 +25,9 @@ class CacheStats:
     """Of those, blocks that arrived while the lookup waited (the rest were computed here)."""
     fetches_skipped: int = 0
     """Prompt lookups not made because computing the cached run was expected faster."""
+    window_misses: int = 0
+    """Runs cut short because a block's windowed layers were missing or bad (models with windowed
+    layers: ``PrefixStore.complete_windows``)."""
     bytes_read: int = 0
     bytes_sent: int = 0
     """Bytes of values sent to the store, including blocks it turned out to hold already."""

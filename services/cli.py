@@ -334,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--arch", choices=["decoder", "encoder-decoder"], default="decoder",
                        help="a Llama-shaped decoder, or a T5-like encoder-decoder with cross-attention")
     build.add_argument("--preset", choices=sorted(DECODER_PRESETS), default="tiny",
-                       help="size: tiny (tests), small, bench (benchmarks); the README lists the shapes")
+                       help="size: tiny (tests), tiny-window (tests of sliding-window layers), small, bench (benchmarks); the README lists the shapes")
     build.add_argument("--kv-layout", choices=[layout.value for layout in KVLayout], default=KVLayout.SEPARATE.value,
                        help="self-attention cache layout of a decoder-only model")
     build.add_argument("--seed", type=int, default=0, help="weight seed: the same seed writes the same bytes")

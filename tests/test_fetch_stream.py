@@ -90,8 +90,8 @@ def test_a_fetch_that_outlives_its_slot_writes_nothing_into_the_next_owner(engin
     slots.begin(again, [], 0)
     row_before = slots.canonical(again, 0, B).result()
     g = engine.prefix.geometry
-    receive(0, np.full(g.block_shape(B), 7.0, np.float16))
-    receive(1, np.full(g.block_shape(B), 7.0, np.float16))
+    receive(0, np.full(g.block_shape(B), 7.0, np.float16), g.full)
+    receive(1, np.full(g.block_shape(B), 7.0, np.float16), g.full)
     assert np.array_equal(slots.canonical(again, 0, B).result(), row_before)
     assert not np.any(slots.canonical(again, 0, 2 * B).result() == 7.0)
 

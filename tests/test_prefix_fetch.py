@@ -105,9 +105,9 @@ def test_store_rate_is_a_running_estimate_of_the_first_block_and_the_bytes_after
 
 def test_a_lookup_is_timed_from_its_start_to_its_first_block_and_on_to_its_end():
     clock, kept = LookupClock(None), []
-    assert clock.into(0, None) and clock.first is not None  # no receiver: every block is kept
-    forwarding = LookupClock(lambda i, block: kept.append(i) or i == 0)
-    assert forwarding.into(0, None) and not forwarding.into(1, None) and kept == [0, 1]
+    assert clock.into(0, None, slice(None)) and clock.first is not None  # no receiver: every block is kept
+    forwarding = LookupClock(lambda i, block, layers: kept.append(i) or i == 0)
+    assert forwarding.into(0, None, slice(None)) and not forwarding.into(1, None, slice(None)) and kept == [0, 1]
     measured = policy(FAST_COMPUTE, StoreRate())
     measured.observe(LookupClock(None), 0)  # found nothing: nothing delivered, nothing learned
     assert measured.store.first_observations == 0

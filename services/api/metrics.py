@@ -31,7 +31,11 @@ _CACHE_COUNTERS = {
     "cross_misses": ("kvshare_cross_cache_misses", "Encoder inputs whose cross-attention K/V was computed."),
     "bytes_read": ("kvshare_cache_fetch_bytes", "Bytes of checked values read from the store."),
     "bytes_sent": ("kvshare_cache_publish_bytes", "Bytes of values sent to the store."),
-    "blocks_written": ("kvshare_cache_blocks_written", "Prefix blocks the store did not have and now has."),
+    "blocks_written": ("kvshare_cache_blocks_written",
+                       "Prefix block values the store did not have and now has (two per block for models with "
+                       "sliding-window layers)."),
+    "window_misses": ("kvshare_cache_window_misses",
+                      "Cached runs cut short because a block's sliding-window layers were missing or bad."),
     "publishes_dropped": ("kvshare_cache_publishes_dropped", "Publishes dropped because too many were pending."),
     "values_too_large": ("kvshare_cache_values_too_large", "Cross-attention values not stored for their size."),
     "short_circuited": ("kvshare_cache_short_circuited", "Store operations skipped while a breaker was open."),

@@ -58,6 +58,7 @@ from services.runtime.generation_config import GenerationDefaults
 from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
+from services.runtime.slots import batches_rows
 from services.runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -162,7 +163,8 @@ class Engine:
                                          max_pending_publish_bytes=options.max_pending_publish_bytes,
                                          leases=options.leases, chunk_tokens=scheduling.max_prefill_tokens_per_step,
                                          prefix_fetch=options.prefix_fetch),
-                                     pace, on_device=not session.on_host)
+                                     pace, on_device=not session.on_host,
+                                     split_windows=batches_rows(session) and spec.windows.window >= options.block_size)
         self.runner = ModelRunner(session, encoder, scheduling.max_batch, spec.context_length,
                                   self.connector.worker_side, pace, scheduling.max_unread_tokens)
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")

@@ -104,6 +104,7 @@ def build_decoder_graph(shape: DecoderShape, layout: KVLayout, seed: int, weight
                 kv_num_heads=kv,
                 do_rotary=1,
                 rotary_interleaved=0,
+                **({"local_window_size": shape.sliding_window} if layer in shape.window_layers else {}),
             )
         )
         if layout is KVLayout.COMBINED:

@@ -27,6 +27,11 @@ class DecoderShape:
     # Standard deviation of one logit, set by scaling the output head: seeded random weights
     # otherwise give next-token distributions so flat that greedy choices are near ties.
     logit_std: float = 16.0
+    sliding_window: int = 0
+    """Positions a windowed layer's query sees, its own included (GroupQueryAttention's
+    ``local_window_size``); 0: no layer is windowed."""
+    window_layers: tuple[int, ...] = ()
+    """The layers that see only ``sliding_window`` positions."""
 
     @property
     def head_size(self) -> int:
@@ -41,6 +46,11 @@ DECODER_PRESETS: dict[str, DecoderShape] = {
     "tiny": DecoderShape(
         num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=176,
         vocab_size=512, context_length=1024,
+    ),
+    # Gemma 3's mix in miniature: two of three layers see only the last 40 positions.
+    "tiny-window": DecoderShape(
+        num_layers=3, hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=176,
+        vocab_size=512, context_length=1024, sliding_window=40, window_layers=(0, 1),
     ),
     "small": DecoderShape(
         num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=704,

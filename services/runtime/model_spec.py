@@ -15,6 +15,7 @@ from pathlib import Path
 from services.audio.log_mel import AudioFeatures
 from services.errors import ModelLoadError
 from services.runtime.kv_layout import KVLayout
+from services.runtime.layer_windows import LayerWindows, read_layer_windows
 
 FINGERPRINT_VERSION = b"kvshare-model-fingerprint-v1"
 
@@ -85,10 +86,24 @@ class ModelSpec:
     audio: AudioFeatures | None = None
     """How audio becomes the encoder's input, for an encoder-decoder model whose folder has a
     preprocessor_config.json (Whisper); None: the model takes no audio."""
+    windows: LayerWindows = LayerWindows()
+    """The self-attention layers that see only the last ``windows.window`` positions (read from the
+    graph: ``layer_windows``); a continuation needs only that much of their cached K/V."""
 
     def kv_bytes_per_token(self, element_size: int) -> int:
         """Self-attention K/V bytes one token occupies: 2 x layers x kv_heads x head_size x element."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_size
+
+    def layer_bytes_per_token(self, element_size: int) -> int:
+        """One layer's share of ``kv_bytes_per_token``: 2 x kv_heads x head_size x element."""
+        return 2 * self.num_kv_heads * self.head_size * element_size
+
+    @property
+    def layer_order(self) -> tuple[int, ...]:
+        """The layers grouped as the store keeps them: those that read every earlier position, then
+        the windowed ones, each group ascending (the model's own order when nothing is windowed)."""
+        windowed = set(self.windows.layers)
+        return (*(i for i in range(self.num_layers) if i not in windowed), *self.windows.layers)
 
 
 def _kv_names(inputs: dict, outputs: dict, num_layers: int) -> KVNames:
@@ -159,6 +174,8 @@ def load_model_spec(folder: Path) -> ModelSpec:
         if encoder is not None:
             files += _model_files(folder, model["encoder"]["filename"])
         kv = _kv_names(inputs, outputs, num_layers)
+        windows = (read_layer_windows(onnx_path, [names[0] for names in kv.present])
+                   if kv.layout is KVLayout.SEPARATE else LayerWindows())
         shaping = {
             "layers": num_layers, "heads": num_heads, "kv_heads": num_kv_heads, "head_size": head_size,
             "layout": kv.layout.value, "past": kv.flat_past, "present": kv.flat_present,
@@ -186,6 +203,7 @@ def load_model_spec(folder: Path) -> ModelSpec:
             encoder=encoder,
             decoder_start_token_id=model.get("decoder_start_token_id", model.get("bos_token_id")),
             audio=AudioFeatures.from_folder(folder) if encoder is not None else None,
+            windows=windows,
         )
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{exc.filename}: not found; a model folder needs genai_config.json and its ONNX file") from exc

@@ -20,6 +20,13 @@ paused) run too. Each such row is fed one dummy token at its first unwritten pos
 ``length``); it writes K/V only there, which that row's own next run overwrites. Its output is
 ignored. Slots are handed out lowest index first to keep ``hi`` small.
 
+With sliding-window layers (``ModelSpec.windows``), ``SharedSlots`` keeps its layers in the store's
+canonical order (``ModelSpec.layer_order``: the layers that read every position, then the windowed
+ones), so that each layer group of a block is one slice of the layer axis. A windowed layer's
+positions before its window are never read (GroupQueryAttention's ``local_window_size`` masks
+them), so a fetch fills them only where a continuation reads them; what a slot holds there
+otherwise is another sequence's stale but finite K/V.
+
 One thread (the scheduler's) calls every method, with one exception: the function that
 ``receiver`` returns copies fetched blocks into a slot from a read thread while the slot fetches. That is
 safe because a fetching row's ``length`` is 0 until ``begin``: decode runs in flight write into
@@ -40,6 +47,10 @@ import numpy as np
 from services.runtime.device_arrays import HostCopy
 from services.runtime.onnx_decoder import DecoderSession, KVCache
 from services.runtime.ort import onnxruntime as ort
+
+BlockReceiver = Callable[[int, np.ndarray, slice], bool]
+"""Copies block i (canonical K/V of the layers the slice names) into a slot as a lookup reads it
+(``cachestore.prefix.Receiver``); True: keep it for ``begin``."""
 
 
 @dataclass(slots=True, eq=False)
@@ -76,10 +87,16 @@ class _Bank:
         slot.released = True
         heapq.heappush(self._free, slot.index)
 
-    def receiver(self, slot: Slot) -> Callable[[int, np.ndarray], bool] | None:
+    def receiver(self, slot: Slot) -> BlockReceiver | None:
         """A function for ``PrefixStore.lookup(into=...)`` that copies each fetched block into
         ``slot`` as it arrives, or None when the slot's memory is only made by ``begin``."""
         return None
+
+
+def batches_rows(session: DecoderSession) -> bool:
+    """Whether ``open_slots`` gives this session ``SharedSlots``, whose rows one decode run batches
+    and whose layers are grouped as the store's windowed layer groups are."""
+    return session.shares_buffer and session.spec.encoder is None
 
 
 class SharedSlots(_Bank):
@@ -94,6 +111,10 @@ class SharedSlots(_Bank):
         self.device = device = session.device
         self._kv = device.zeros([spec.num_layers, 2, max_batch, spec.num_kv_heads, max_seq, spec.head_size],
                                 session.kv_dtype)
+        self._position = {layer: i for i, layer in enumerate(spec.layer_order)}
+        """Where each model layer lies on the buffer's layer axis (grouped: see the module)."""
+        self._full = slice(0, spec.num_layers - len(spec.windows.layers))
+        self._windowed = slice(self._full.stop, spec.num_layers)
         self._lengths = np.zeros(max_batch, dtype=np.int64)
         self._logits = device.zeros(self._logits_shape(max_batch, 1), session.logits_dtype)
         self._prefill_buffer = None
@@ -105,40 +126,49 @@ class SharedSlots(_Bank):
             super().release(slot)
         self._lengths[slot.index] = 0
 
-    def receiver(self, slot: Slot) -> Callable[[int, np.ndarray], bool]:
-        """Copies fetched block ``i`` (canonical, any storage dtype) into the slot's row, on a read
-        thread (see the module's invariant), except block 0: decode runs in flight may write the
-        row's position 0 until ``begin``, so it is kept (returns True) and copied by ``begin``
-        alone: every cached byte crosses once."""
+    def receiver(self, slot: Slot) -> BlockReceiver:
+        """Copies fetched block ``i`` (canonical ``layers``, any storage dtype) into the slot's
+        row, on a read thread (see the module's invariant), except block 0: decode runs in flight
+        may write the row's position 0 until ``begin``, so it is kept (returns True) and copied by
+        ``begin`` alone: every cached byte crosses once."""
         lock, row = self._row_locks[slot.index], self._kv[:, :, slot.index]
 
-        def receive(i: int, block: np.ndarray) -> bool:
+        def receive(i: int, block: np.ndarray, layers: slice) -> bool:
             if i == 0:
                 return True
             n = block.shape[3]
             with lock:
                 if not slot.released:
-                    self.device.copy_in(row[:, :, :, i * n : (i + 1) * n], block)
+                    self.device.copy_in(row[layers, :, :, i * n : (i + 1) * n], block)
             return False
 
         return receive
 
-    def _blocks_into(self, slot: Slot, start: int, blocks: Sequence[np.ndarray], tokens: int) -> None:
+    def _blocks_into(self, slot: Slot, start: int, blocks: Sequence[np.ndarray], tokens: int,
+                     windows: Sequence[tuple[int, np.ndarray]]) -> None:
         """Copies the first ``tokens - start`` tokens of canonical ``blocks`` into the slot's row
-        from position ``start``: one copy per block, exactly the tokens used."""
+        from position ``start`` (every layer, or with windowed layers the ``full`` group), and of
+        ``windows`` (block index, the windowed layers of that block) the tokens below ``tokens``:
+        one copy per block, exactly the tokens used."""
         row, offset = self._kv[:, :, slot.index], start
         for block in blocks:
             n = min(block.shape[3], tokens - offset)
             if n <= 0:
                 break
-            self.device.copy_in(row[:, :, :, offset : offset + n], block[:, :, :, :n])
+            self.device.copy_in(row[self._full, :, :, offset : offset + n], block[:, :, :, :n])
             offset += n
+        for i, block in windows:
+            first = i * block.shape[3]
+            n = min(block.shape[3], tokens - first)
+            if n > 0:
+                self.device.copy_in(row[self._windowed, :, :, first : first + n], block[:, :, :, :n])
 
-    def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None) -> None:
-        """Fills the slot with the first ``tokens`` tokens of cached ``blocks`` (those a
-        ``receiver`` did not copy: block 0 of a streamed fetch, every block otherwise)."""
+    def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None,
+              windows: Sequence[tuple[int, np.ndarray]] = ()) -> None:
+        """Fills the slot with the first ``tokens`` tokens of cached ``blocks`` and ``windows``
+        (those a ``receiver`` did not copy: block 0 of a streamed fetch, every block otherwise)."""
         assert cross_kv is None, "encoder-decoder models use SequenceSlots"
-        self._blocks_into(slot, 0, blocks, tokens)
+        self._blocks_into(slot, 0, blocks, tokens, windows)
         self._set_length(slot, tokens)
 
     def canonical(self, slot: Slot, start: int, end: int) -> HostCopy:
@@ -146,11 +176,12 @@ class SharedSlots(_Bank):
         ``[layers, 2, kv_heads, n, head]``: exactly those tokens are copied."""
         return self.device.copy_out(self._kv, (slice(None), slice(None), slot.index, slice(None), slice(start, end)))
 
-    def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int) -> None:
-        """Copies cached ``blocks`` (canonical, any storage dtype) after the slot's tokens, up to
-        ``tokens`` in all (between runs, on the scheduler thread)."""
+    def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int,
+               windows: Sequence[tuple[int, np.ndarray]] = ()) -> None:
+        """Copies cached ``blocks`` and ``windows`` (as ``begin`` takes them) after the slot's
+        tokens, up to ``tokens`` in all (between runs, on the scheduler thread)."""
         assert tokens <= slot.capacity, "append past the slot's capacity"
-        self._blocks_into(slot, slot.length, blocks, tokens)
+        self._blocks_into(slot, slot.length, blocks, tokens, windows)
         self._set_length(slot, tokens)
 
     def _set_length(self, slot: Slot, length: int) -> None:
@@ -175,9 +206,10 @@ class SharedSlots(_Bank):
         spec, kv = self.session.spec, self._kv
         shape = [rows, spec.num_kv_heads, self.max_seq, spec.head_size]
         for layer in range(spec.num_layers):
+            at = self._position[layer]
             for j in (0, 1):
-                self._bind(binding, spec.kv.past[layer][j], kv[layer, j], first_row=first, shape=shape)
-                self._bind(binding, spec.kv.present[layer][j], kv[layer, j], output=True, first_row=first, shape=shape)
+                self._bind(binding, spec.kv.past[layer][j], kv[at, j], first_row=first, shape=shape)
+                self._bind(binding, spec.kv.present[layer][j], kv[at, j], output=True, first_row=first, shape=shape)
 
     def _bind_inputs(self, binding: ort.IOBinding, ids: np.ndarray, lengths: np.ndarray) -> list:
         """Token ids ``[rows, n]`` after ``lengths`` tokens per row: mask ones over each row's
@@ -302,7 +334,9 @@ class SequenceSlots(_Bank):
         slot.cache = None
         super().release(slot)
 
-    def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None) -> None:
+    def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None,
+              windows: Sequence[tuple[int, np.ndarray]] = ()) -> None:
+        assert not windows, "the store splits no layer groups for these slots (batches_rows)"
         if tokens:
             slot.cache = self.session.cache_from_blocks(blocks, tokens, slot.capacity)
         else:
@@ -314,9 +348,11 @@ class SequenceSlots(_Bank):
     def canonical(self, slot: Slot, start: int, end: int) -> HostCopy:
         return HostCopy(self.session.to_canonical(slot.cache, end)[:, :, :, start:end])
 
-    def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int) -> None:
+    def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int,
+               windows: Sequence[tuple[int, np.ndarray]] = ()) -> None:
         """The slot's tokens and then cached ``blocks``, up to ``tokens`` in all, in a new cache;
         the cross-attention K/V stays."""
+        assert not windows, "the store splits no layer groups for these slots (batches_rows)"
         cross = slot.cache.cross
         slot.cache = self.session.cache_from_blocks([self.session.to_canonical(slot.cache, slot.length), *blocks],
                                                     tokens, slot.capacity)
@@ -367,6 +403,6 @@ SlotBank = SharedSlots | SequenceSlots
 
 def open_slots(session: DecoderSession, max_batch: int, max_seq: int) -> SlotBank:
     """The bank that batches this graph best (see the module docstring)."""
-    if session.shares_buffer and session.spec.encoder is None:
+    if batches_rows(session):
         return SharedSlots(session, max_batch, max_seq)
     return SequenceSlots(session, max_batch, max_seq)

@@ -24,6 +24,7 @@ from services.engine.kv_connector.scheduler_side import KVConnectorScheduler
 from services.engine.kv_connector.state import SequenceKV
 from services.engine.kv_connector.worker_side import KVConnectorWorker
 from services.engine.run_waits import LeaseOptions, PrefillPace, RunWaits
+from services.runtime.layer_windows import LayerWindows
 from services.runtime.model_spec import ModelSpec
 
 
@@ -54,15 +55,20 @@ class KVConnector:
 
     def __init__(self, spec: ModelSpec, model_kv_dtype: np.dtype, cross_heads: int, storage_dtype: np.dtype,
                  store: KVStore, cache_stats: CacheStats, options: ConnectorOptions, pace: PrefillPace,
-                 on_device: bool) -> None:
-        """``on_device``: the decoder runs on a device, not the CPU provider (``FetchPolicy.on_device``)."""
+                 on_device: bool, split_windows: bool) -> None:
+        """``on_device``: the decoder runs on a device, not the CPU provider (``FetchPolicy.on_device``).
+        ``split_windows``: the slots group the model's windowed layers as the store does
+        (``slots.batches_rows``), so a fetch reads their K/V only where a continuation reads it;
+        otherwise every block is one value of every layer, windowed or not."""
         self.spec = spec
         self.options = options
         self.storage_dtype = storage_dtype
         """The K/V element type in the store; part of every namespace."""
         self.store = store
-        self.prefix = PrefixStore(
-            store, KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, storage_dtype), cache_stats)
+        windows = spec.windows if split_windows else LayerWindows()
+        self.geometry = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, storage_dtype,
+                                   windows.window, len(windows.layers))
+        self.prefix = PrefixStore(store, self.geometry, cache_stats)
         self.cross = cross = CrossStore(store, cache_stats, options.max_value_bytes, storage_dtype)
         self.writes = PublishQueue(options.store_write_threads, options.max_pending_publishes,
                                    options.max_pending_publish_bytes, cache_stats)
@@ -79,6 +85,15 @@ class KVConnector:
             self.prefix, cross, store, cache_stats, storage_dtype, spec.kv_bytes_per_token(model_kv_dtype.itemsize),
             self.writes, self.encodes)
 
+    @property
+    def _layout(self) -> str:
+        """The canonical layout, and with windowed layers how a block's layers are split (the
+        values under the keys differ: one value per block, or two)."""
+        g = self.geometry
+        if not g.window_layers:
+            return CANONICAL_LAYOUT
+        return f"{CANONICAL_LAYOUT};windowed={g.window}x{g.window_layers}:{','.join(map(str, self.spec.windows.layers))}"
+
     def namespace(self, salt: str, encoder_input: BlockHash | None = None, tenant: str = "") -> Namespace:
         """Everything this worker's prefix K/V depends on besides the tokens (docs/design.md, invariant 2):
         for an encoder-decoder model also the encoder input, whose cross-attention feeds every
@@ -88,7 +103,7 @@ class KVConnector:
             model_fingerprint=self.spec.fingerprint,
             block_size=self.options.block_size,
             dtype=self.storage_dtype.name,
-            layout=CANONICAL_LAYOUT,
+            layout=self._layout,
             salt=salt,
             tenant=tenant,
             extra=encoder_input.hex() if encoder_input else "",

@@ -95,16 +95,16 @@ class LookupClock:
     ``PrefixStore.lookup`` (None: every block is kept, as ``lookup`` keeps them without one) and
     notes when the first block arrived."""
 
-    def __init__(self, receiver: Callable[[int, np.ndarray], bool] | None) -> None:
+    def __init__(self, receiver: Callable[[int, np.ndarray, slice], bool] | None) -> None:
         self._receiver = receiver
         self.began = time.perf_counter()
         self.first: float | None = None
         """perf_counter() when the first block arrived (None: none yet)."""
 
-    def into(self, i: int, block: np.ndarray) -> bool:
+    def into(self, i: int, block: np.ndarray, layers: slice) -> bool:
         if self.first is None:
             self.first = time.perf_counter()
-        return True if self._receiver is None else self._receiver(i, block)
+        return True if self._receiver is None else self._receiver(i, block, layers)
 
 
 @dataclass(slots=True, eq=False)

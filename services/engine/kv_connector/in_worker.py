@@ -50,6 +50,8 @@ def plan_share(seq: Sequence, active: list[Sequence], plan: StepPlan, stats: Sch
         if other.lookup is None or row.phase not in (Phase.FETCHING, Phase.PREFILLING, Phase.DECODING):
             continue
         shared = min(common_blocks(kv.lookup.hashes, other.lookup.hashes) * size, len(seq.prompt) - 1)
+        if shared < other.window_floor:  # its windowed layers lack positions a copy would read
+            continue
         # Any row's K/V may be copied; a later row is waited for only if it holds the lease or
         # fetches (and then only for what it fetched, never for what it computes).
         waitable = earlier or other.lease is not None or other.awaiting

@@ -18,11 +18,10 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import numpy as np
-
 from cachestore.cross import CrossStore
 from cachestore.keys import lease_key, progress_channel
 from cachestore.prefix import PrefixLookup, PrefixStore
+from cachestore.prefix import Receiver as BlockReceiver
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from services.engine.kv_connector import in_worker
@@ -48,7 +47,7 @@ LEASE_SLACK_MS = 500
 EARLY_WAIT_ENDS = frozenset({WaitEnd.STALLED, WaitEnd.SLOWER, WaitEnd.RELEASED})
 """Lease waits that end with blocks of the run missing, which this worker then computes itself."""
 
-Receiver = Callable[[int, np.ndarray], bool] | None
+Receiver = BlockReceiver | None
 """Copies block i of a lookup into the row's slot as it arrives (``SlotBank.receiver``); None
 where the slots cannot take blocks before the row's first step."""
 
@@ -128,7 +127,7 @@ class KVConnectorScheduler:
         # the slot this row would copy from, before this row's first step: then its blocks are
         # waited for in the store, as another worker's are, not computed again.
         if not (claim is Claim.OTHER_WORKER or (claim is Claim.SIBLING and kv.lookup.hit_blocks > 0)):
-            self._fetched(seq, t)
+            self._fetched(seq, t, receiver)
             return True
         run = len(kv.lookup.hashes) - kv.lookup.hit_blocks  # blocks awaited
         with self._lock:
@@ -136,7 +135,7 @@ class KVConnectorScheduler:
             # rows wait for that row's blocks and copy them from it (``in_worker.plan_share``).
             # A row missing fewer blocks waits for its own, not for the other row's longer run.
             if key in self._awaiting and run >= self._awaiting[key][1]:
-                self._fetched(seq, t)
+                self._fetched(seq, t, receiver)
                 return True
             own = key not in self._awaiting
             if own:
@@ -156,7 +155,7 @@ class KVConnectorScheduler:
             log.log(level, "request %s: waited %.0f ms for another worker's %d blocks: %s, %d arrived%s",
                     seq.request_id, (time.perf_counter() - t) * 1e3, run, outcome.value, kv.lookup.hit_blocks,
                     f" ({wait.detail})" if wait.detail else "")
-            self._fetched(seq, t)
+            self._fetched(seq, t, receiver)
             if own:
                 with self._lock:
                     del self._awaiting[key]
@@ -203,12 +202,14 @@ class KVConnectorScheduler:
         trail.give_up_at = began + 2 * bound_s
 
         def end(outcome: WaitEnd) -> None:
+            self.prefix.complete_windows(found, size, len(seq.prompt), first=start // size)
             tokens = cached_tokens(found.hit_blocks, size, len(seq.prompt))
             if tokens <= start:
                 result.set_result(None)
                 return
             in_time = time.monotonic() - began <= leases.wait_factor * ms_per_token * (tokens - start) / 1e3
-            result.set_result(Ahead(start, found.blocks, tokens, outcome is WaitEnd.COMPLETE and in_time))
+            result.set_result(Ahead(start, found.blocks, tokens, outcome is WaitEnd.COMPLETE and in_time,
+                                    found.windows))
 
         self.waits.add(RunWait(
             fetch_more=lambda: self._fetch_more(found, size, None),
@@ -281,14 +282,19 @@ class KVConnectorScheduler:
             return claim, holder, key
         return Claim.NONE, None, None
 
-    @staticmethod
-    def _fetched(seq: Sequence, t0: float) -> None:
-        """The lookup's end: what it found becomes the sequence's cached prompt."""
+    def _fetched(self, seq: Sequence, t0: float, receiver: Receiver) -> None:
+        """The lookup's end (its run is final: no wait extends it): with windowed layers their K/V
+        that a continuation reads is fetched too, which may shorten the run; then what it found
+        becomes the sequence's cached prompt."""
         kv = seq.kv
+        size = kv.namespace.block_size
+        lookup = kv.lookup
+        if lookup.hit_blocks:
+            self.prefix.complete_windows(lookup, size, len(seq.prompt), receiver)
+            kv.window_floor = self.prefix.geometry.window_floor(lookup.window_from, size)
         seq.usage.encoder_cache_hit = kv.cross_kv is not None
-        seq.prefilled = seq.usage.cached_prompt_tokens = cached_tokens(
-            kv.lookup.hit_blocks, kv.namespace.block_size, len(seq.prompt))
-        kv.published_blocks = kv.lookup.hit_blocks
+        seq.prefilled = seq.usage.cached_prompt_tokens = cached_tokens(lookup.hit_blocks, size, len(seq.prompt))
+        kv.published_blocks = lookup.hit_blocks
         seq.timings.cache_fetch_ms = (time.perf_counter() - t0) * 1e3
 
 

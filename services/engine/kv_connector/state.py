@@ -68,6 +68,9 @@ class Ahead:
     blocks: list[np.ndarray]
     tokens: int
     kept_up: bool
+    windows: list[tuple[int, np.ndarray]]
+    """With windowed layers: (block index, those layers' K/V) of the blocks a continuation after
+    ``tokens`` reads (``PrefixStore.complete_windows``)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -100,6 +103,11 @@ class SequenceKV:
     done (or it ends)."""
     trail: Trail | None = None
     """Set when its wait for another worker's blocks ended early (see ``Trail``)."""
+    window_floor: int = 0
+    """Models with windowed layers: the fewest prompt tokens another row may copy from this one.
+    The windowed layers of a fetched run hold K/V only over its last window (the rest is never
+    read by this row), so a copy of fewer tokens would give the copier positions it reads but
+    this row never filled. 0: any."""
     fetch_skipped: bool = False
     """Its prompt's cached run was expected faster to compute than to fetch (``fetch_policy``):
     it read, claimed and waited for none of it, and publishes none of its prompt. The store

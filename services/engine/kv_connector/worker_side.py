@@ -21,7 +21,13 @@ import numpy as np
 
 from cachestore.codec import RejectReason
 from cachestore.cross import CrossStore
-from cachestore.keys import block_hashes, block_key, cross_key, lease_key
+from cachestore.keys import (
+    block_hashes,
+    block_key,
+    cross_key,
+    lease_key,
+    window_block_key,
+)
 from cachestore.prefix import PrefixLookup, PrefixStore
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
@@ -78,7 +84,7 @@ class KVConnectorWorker:
                     self.cross.put(input_hash, converted(computed, self.storage_dtype))
 
                 self.writes.bounded(cross.nbytes, lambda: store_cross)
-        slots.begin(seq.slot, kv.lookup.blocks, seq.prefilled, cross)
+        slots.begin(seq.slot, kv.lookup.blocks, seq.prefilled, cross, kv.lookup.windows)
         # The fetched values are in the slot now; do not hold them for the whole decode.
         kv.lookup.release()
         kv.cross_kv = kv.encoding = None
@@ -94,6 +100,7 @@ class KVConnectorWorker:
         up to there): tokens neither computed nor fetched again, counted as cached. Returns how
         many tokens came."""
         slots.share(row.slot, seq.slot, tokens)
+        seq.kv.window_floor = max(seq.kv.window_floor, row.kv.window_floor)
         if row.kv.publishes_prompt:  # the row (or the store) has those blocks published
             seq.kv.published_blocks = max(seq.kv.published_blocks, tokens // seq.kv.namespace.block_size)
         return self._copied(seq, tokens, began)
@@ -105,8 +112,12 @@ class KVConnectorWorker:
         if seq.done or ahead.start != seq.prefilled or ahead.tokens <= seq.prefilled:
             return 0
         t = time.perf_counter()
-        slots.append(seq.slot, ahead.blocks, ahead.tokens)
+        slots.append(seq.slot, ahead.blocks, ahead.tokens, ahead.windows)
         kv = seq.kv
+        size = kv.namespace.block_size
+        window_from = min((i for i, _ in ahead.windows), default=0)
+        if window_from * size > ahead.start:  # the row's windowed layers now skip the positions between
+            kv.window_floor = max(kv.window_floor, self.prefix.geometry.window_floor(window_from, size))
         kv.published_blocks = max(kv.published_blocks, ahead.start // kv.namespace.block_size + len(ahead.blocks))
         return self._copied(seq, ahead.tokens, t)
 
@@ -217,7 +228,10 @@ class KVConnectorWorker:
         cached, cross = seq.usage.cached_prompt_tokens, seq.usage.encoder_cache_hit
         if not cached and not cross:
             return False
-        keys = [block_key(h) for h in kv.lookup.hashes[: max(kv.lookup.hit_blocks, kv.published_blocks)]]
+        hashes = kv.lookup.hashes[: max(kv.lookup.hit_blocks, kv.published_blocks)]
+        keys = [block_key(h) for h in hashes]
+        if self.prefix.geometry.window_layers:
+            keys += [window_block_key(h) for h in hashes]
         if cross:
             keys.append(cross_key(kv.encoder_hash))
         self.cache_stats.count("rejected_values", RejectReason.BAD_OUTPUT)
@@ -228,6 +242,7 @@ class KVConnectorWorker:
         release_leases([seq], self.writes)
         kv.lookup = PrefixLookup(hashes=kv.lookup.hashes, blocks=[])
         kv.trail = None
+        kv.window_floor = 0
         seq.prefilled = seq.usage.cached_prompt_tokens = kv.published_blocks = 0
         seq.usage.encoder_cache_hit = False
         kv.cross_kv = kv.encoding = None

@@ -1,0 +1,162 @@
+"""Models with sliding-window layers (``tiny-window``: layers 0 and 1 see the last 40 positions,
+layer 2 all of them), served by in-process engines over a real redis-server: what the store keeps
+and fetches per layer group, and that every path (cold, warm from another replica, a run cut
+short by a missing window value, generation across the window) gives what a full recompute gives."""
+
+import numpy as np
+import pytest
+from conftest import record_margin, stream
+
+from cachestore.codec import ValueKind, encode
+from cachestore.factory import StoreOptions, open_store
+from cachestore.keys import block_key, window_block_key
+from cachestore.stats import CacheStats
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import GenerationRequest
+from services.runtime.kv_layout import KVLayout
+from services.runtime.model_spec import load_model_spec
+from services.runtime.onnx_decoder import DecoderSession
+
+B = 16
+WINDOW = 40
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def window_model(model_dirs):
+    return model_dirs["tiny-window", KVLayout.SEPARATE]
+
+
+def make_engine(folder, redis_url, block_size=B) -> Engine:
+    """K/V stored in float32, so that warm logits are compared with the recompute's at float
+    tolerance (the default float16 storage is measured in test_cache_dtype)."""
+    return Engine.load(folder, EngineOptions(block_size=block_size, cache_dtype="float32"),
+                       open_store(redis_url, StoreOptions(), CacheStats()), CacheStats(), "cpu", 2)
+
+
+@pytest.fixture()
+def replicas(window_model, redis_url):
+    engines = [make_engine(window_model, redis_url) for _ in range(2)]
+    yield engines
+    for e in engines:
+        e.close()
+
+
+def prompt(n, seed=0):
+    return np.random.default_rng(seed).integers(3, 512, size=n).tolist()
+
+
+def run(engine, ids, n=8):
+    return stream(engine, GenerationRequest(prompt_token_ids=ids, max_new_tokens=n, ignore_eos=True,
+                                            return_logits=True))
+
+
+def recomputed(folder, ids, n):
+    """Greedy ids and logits from a full recompute of the whole sequence at every step (no cache)."""
+    session = DecoderSession(load_model_spec(folder), "cpu", 2)
+    seq, logits = list(ids), []
+    for _ in range(n):
+        step = session.run(seq, session.empty_cache(len(seq)))[0]
+        logits.append(step)
+        seq.append(int(np.argmax(step)))
+    return seq[len(ids):], logits
+
+
+def test_the_spec_reads_the_windows_from_the_graph(window_model, model_dirs):
+    spec = load_model_spec(window_model)
+    assert (spec.windows.window, spec.windows.layers, spec.layer_order) == (WINDOW, (0, 1), (2, 0, 1))
+    assert load_model_spec(model_dirs["tiny", KVLayout.SEPARATE]).windows.layers == ()
+
+
+def test_a_warm_fetch_moves_the_full_layers_of_the_run_and_the_windowed_ones_of_its_last_window(replicas,
+                                                                                                 window_model):
+    cold, warm = replicas
+    ids = prompt(9 * B + 6)  # 9 full blocks; a continuation at 144 reads positions 105..143: blocks 6-8
+    want_ids, want_logits = recomputed(window_model, ids, 8)
+    cold_ids, cold_logits, cold_last = run(cold, ids)
+    assert cold_ids == want_ids and cold_last.usage.cached_prompt_tokens == 0
+    before = warm.cache_stats.bytes_read
+    warm_ids, warm_logits, warm_last = run(warm, ids)
+    assert warm_last.usage.cached_prompt_tokens == 9 * B and warm_ids == want_ids
+    record_margin("windowed warm vs full recompute (tiny-window)", want_logits[0])
+    assert max(np.max(np.abs(a - b)) for a, b in zip(warm_logits, want_logits)) <= TOLERANCE
+    g = warm.prefix.geometry
+    full = len(encode(ValueKind.PREFIX_BLOCK, b"\0" * 32, np.zeros(g.block_shape(B), g.dtype)))
+    windowed = len(encode(ValueKind.WINDOW_BLOCK, b"\0" * 32, np.zeros(g.block_shape(B, g.windowed), g.dtype)))
+    assert (g.full, g.windowed) == (slice(0, 1), slice(1, 3))
+    assert warm.cache_stats.bytes_read - before == 9 * full + 3 * windowed
+
+
+def test_every_block_is_published_in_both_groups(replicas, redis_url):
+    import redis
+
+    cold, _ = replicas
+    ids = prompt(4 * B + 1, seed=1)
+    run(cold, ids, n=2)
+    client = redis.Redis.from_url(redis_url)
+    hashes = cold.prefix.hashes(cold.namespace(""), ids)
+    assert all(client.exists(block_key(h)) and client.exists(window_block_key(h)) for h in hashes)
+
+
+def test_a_model_without_windows_fetches_every_layer_in_one_value(model_dirs, redis_url):
+    folder = model_dirs["tiny", KVLayout.SEPARATE]
+    cold, warm = make_engine(folder, redis_url), make_engine(folder, redis_url)
+    try:
+        ids = prompt(9 * B + 6, seed=2)
+        run(cold, ids, n=2)
+        before = warm.cache_stats.bytes_read
+        run(warm, ids, n=2)
+        g = warm.prefix.geometry
+        assert (g.window_layers, g.full) == (0, slice(0, g.num_layers))
+        value = len(encode(ValueKind.PREFIX_BLOCK, b"\0" * 32, np.zeros(g.block_shape(B), g.dtype)))
+        assert warm.cache_stats.bytes_read - before == 9 * value
+    finally:
+        cold.close()
+        warm.close()
+
+
+@pytest.mark.parametrize("lost", [8, 6])
+def test_a_missing_window_value_ends_the_run_before_its_block(replicas, window_model, redis_url, lost):
+    """Block 8's windowed layers gone: a run of 8 blocks needs blocks 5-7 (4 more values read);
+    block 6's gone: the run ends at 6 and needs blocks 3-5. The answer is the recompute's."""
+    import redis
+
+    cold, warm = replicas
+    ids = prompt(9 * B + 6, seed=3)
+    run(cold, ids, n=2)
+    hashes = cold.prefix.hashes(cold.namespace(""), ids)
+    redis.Redis.from_url(redis_url).delete(window_block_key(hashes[lost]))
+    got, _, last = run(warm, ids)
+    assert last.usage.cached_prompt_tokens == lost * B
+    assert warm.cache_stats.window_misses == 1
+    assert got == recomputed(window_model, ids, 8)[0]
+
+
+def test_a_forged_window_value_is_refused_deleted_and_computed(replicas, window_model, redis_url):
+    import redis
+
+    cold, warm = replicas
+    ids = prompt(9 * B + 6, seed=4)
+    run(cold, ids, n=2)
+    hashes = cold.prefix.hashes(cold.namespace(""), ids)
+    client = redis.Redis.from_url(redis_url)
+    g = warm.prefix.geometry
+    # A full-group value under a window key: the kind and the shape both give it away.
+    client.set(window_block_key(hashes[7]), client.get(block_key(hashes[7])))
+    got, _, last = run(warm, ids)
+    assert last.usage.cached_prompt_tokens == 7 * B and got == recomputed(window_model, ids, 8)[0]
+    assert warm.cache_stats.rejected_values == {"format": 1} and g.window_layers == 2
+    assert run(warm, ids)[2].usage.cached_prompt_tokens == 9 * B  # its publish stored a good one
+
+
+@pytest.mark.parametrize("prompt_tokens", [30, 2 * B + 5])
+def test_generation_across_the_window_equals_a_full_recompute(replicas, window_model, prompt_tokens):
+    """Positions 40 and on see only the last 40: the decode steps cross that boundary, cold and
+    after a warm fetch."""
+    cold, warm = replicas
+    ids = prompt(prompt_tokens, seed=5)
+    want_ids, want_logits = recomputed(window_model, ids, 24)
+    for engine in (cold, warm):
+        got, logits, _ = run(engine, ids, n=24)
+        assert got == want_ids
+        assert max(np.max(np.abs(a - b)) for a, b in zip(logits, want_logits)) <= TOLERANCE
