@@ -74,6 +74,9 @@ def test_model_info(stub):
     assert info.vocab_size == 512 and info.context_length == 1024
     assert info.execution_provider == "CPUExecutionProvider"
     assert len(info.fingerprint) == 64 and not info.encoder_decoder and info.block_size == 64
+    (group,) = info.layer_groups
+    assert (list(group.layers), group.window, group.fetched_over_window) == ([0, 1], 0, False)
+    assert (group.kv_bytes_per_token, group.cached_bytes_per_token) == (info.kv_bytes_per_token, info.cached_bytes_per_token)
 
 
 def test_tokenize_both_ways(stub):

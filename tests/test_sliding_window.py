@@ -160,3 +160,23 @@ def test_generation_across_the_window_equals_a_full_recompute(replicas, window_m
         got, logits, _ = run(engine, ids, n=24)
         assert got == want_ids
         assert max(np.max(np.abs(a - b)) for a, b in zip(logits, want_logits)) <= TOLERANCE
+
+
+def test_model_info_and_the_start_up_log_give_each_layer_groups_bytes(window_model):
+    import grpc
+
+    from kvshare.v1 import generator_pb2 as pb
+    from kvshare.v1 import generator_pb2_grpc as pb_grpc
+    from services.local.worker_process import WorkerProcess
+
+    with WorkerProcess(window_model, "--block-size", str(B)) as worker, grpc.insecure_channel(worker.target) as channel:
+        info = pb_grpc.GeneratorStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+        log = "\n".join(worker.log_lines)
+    per_layer = 2 * 2 * 16  # K and V x kv_heads x head_size elements
+    full, windowed = info.layer_groups
+    assert (list(full.layers), full.window, full.fetched_over_window) == ([2], 0, False)
+    assert (list(windowed.layers), windowed.window, windowed.fetched_over_window) == ([0, 1], WINDOW, True)
+    assert (full.kv_bytes_per_token, windowed.kv_bytes_per_token) == (per_layer * 4, 2 * per_layer * 4)
+    assert (full.cached_bytes_per_token, windowed.cached_bytes_per_token) == (per_layer * 2, 2 * per_layer * 2)
+    assert info.kv_bytes_per_token == full.kv_bytes_per_token + windowed.kv_bytes_per_token
+    assert f"layers 0,1 read the last {WINDOW} positions: {2 * per_layer * 4} bytes per token in the slots" in log

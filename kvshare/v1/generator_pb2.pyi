@@ -217,7 +217,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "fingerprint", "num_layers", "num_heads", "num_kv_heads", "head_size", "context_length", "vocab_size", "kv_bytes_per_token", "block_size", "encoder_decoder", "execution_provider", "cache_dtype", "cached_bytes_per_token", "device", "slots", "slot_bytes", "chat_template", "audio_input")
+    __slots__ = ("name", "fingerprint", "num_layers", "num_heads", "num_kv_heads", "head_size", "context_length", "vocab_size", "kv_bytes_per_token", "block_size", "encoder_decoder", "execution_provider", "cache_dtype", "cached_bytes_per_token", "device", "slots", "slot_bytes", "chat_template", "audio_input", "layer_groups")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -237,6 +237,7 @@ class GetModelInfoResponse(_message.Message):
     SLOT_BYTES_FIELD_NUMBER: _ClassVar[int]
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     AUDIO_INPUT_FIELD_NUMBER: _ClassVar[int]
+    LAYER_GROUPS_FIELD_NUMBER: _ClassVar[int]
     name: str
     fingerprint: str
     num_layers: int
@@ -256,4 +257,19 @@ class GetModelInfoResponse(_message.Message):
     slot_bytes: int
     chat_template: bool
     audio_input: bool
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., encoder_decoder: _Optional[bool] = ..., execution_provider: _Optional[str] = ..., cache_dtype: _Optional[str] = ..., cached_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chat_template: _Optional[bool] = ..., audio_input: _Optional[bool] = ...) -> None: ...
+    layer_groups: _containers.RepeatedCompositeFieldContainer[LayerGroup]
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., encoder_decoder: _Optional[bool] = ..., execution_provider: _Optional[str] = ..., cache_dtype: _Optional[str] = ..., cached_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chat_template: _Optional[bool] = ..., audio_input: _Optional[bool] = ..., layer_groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ...) -> None: ...
+
+class LayerGroup(_message.Message):
+    __slots__ = ("layers", "window", "kv_bytes_per_token", "cached_bytes_per_token", "fetched_over_window")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_OVER_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    layers: _containers.RepeatedScalarFieldContainer[int]
+    window: int
+    kv_bytes_per_token: int
+    cached_bytes_per_token: int
+    fetched_over_window: bool
+    def __init__(self, layers: _Optional[_Iterable[int]] = ..., window: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., cached_bytes_per_token: _Optional[int] = ..., fetched_over_window: _Optional[bool] = ...) -> None: ...

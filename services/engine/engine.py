@@ -183,6 +183,8 @@ class Engine:
         self.storage_dtype = self.connector.storage_dtype
         log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype; the model's own K/V is %s)",
                  self.storage_dtype.name, spec.kv_bytes_per_token(self.storage_dtype.itemsize), session.kv_dtype.name)
+        if len(spec.layer_groups) > 1:
+            self._log_layer_groups()
         if options.prefix_fetch is PrefixFetch.AUTO and not session.on_host:
             log.info("prefix fetch: a cached run expected faster to compute than to fetch is computed "
                      "(--prefix-fetch auto, on a device)")
@@ -192,6 +194,19 @@ class Engine:
                  scheduling.max_queued, scheduling.max_prefill_tokens_per_step)
         log.info("K/V slots on %s (%s): %d x %d tokens, %d bytes", session.device_name, session.execution_provider,
                  scheduling.max_batch, spec.context_length, self.slot_bytes)
+
+    def _log_layer_groups(self) -> None:
+        """The memory formula per layer group, for models with sliding-window layers."""
+        spec, split = self.spec, self.prefix.geometry.window > 0
+        for group in spec.layer_groups:
+            layers = len(group.layers)
+            span = f"the last {group.window} positions" if group.window else "every earlier position"
+            fetch = (f"; a fetch reads it for the blocks of a continuation's last {group.window} positions only"
+                     if group.window and split else "")
+            log.info("layers %s read %s: %d bytes per token in the slots (every position is kept), %d bytes per "
+                     "cached token in the store%s", ",".join(map(str, group.layers)), span,
+                     layers * spec.layer_bytes_per_token(self.session.kv_dtype.itemsize),
+                     layers * spec.layer_bytes_per_token(self.storage_dtype.itemsize), fetch)
 
     @property
     def slot_bytes(self) -> int:

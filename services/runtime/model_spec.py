@@ -57,6 +57,15 @@ class EncoderSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class LayerGroup:
+    """Decoder layers that read the same span of earlier positions."""
+
+    layers: tuple[int, ...]
+    window: int = 0
+    """Positions a query of these layers sees, its own included; 0: every earlier position."""
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A decoder model's geometry, names and identity (all lengths in tokens)."""
 
@@ -99,11 +108,17 @@ class ModelSpec:
         return 2 * self.num_kv_heads * self.head_size * element_size
 
     @property
+    def layer_groups(self) -> tuple[LayerGroup, ...]:
+        """The layers that read every earlier position, then (if any) the windowed ones."""
+        windowed = self.windows.layers
+        full = LayerGroup(tuple(i for i in range(self.num_layers) if i not in windowed))
+        return (full, LayerGroup(windowed, self.windows.window)) if windowed else (full,)
+
+    @property
     def layer_order(self) -> tuple[int, ...]:
         """The layers grouped as the store keeps them: those that read every earlier position, then
         the windowed ones, each group ascending (the model's own order when nothing is windowed)."""
-        windowed = set(self.windows.layers)
-        return (*(i for i in range(self.num_layers) if i not in windowed), *self.windows.layers)
+        return tuple(layer for group in self.layer_groups for layer in group.layers)
 
 
 def _kv_names(inputs: dict, outputs: dict, num_layers: int) -> KVNames:
