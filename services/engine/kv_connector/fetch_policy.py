@@ -120,8 +120,10 @@ class FetchPolicy:
     pace: PrefillPace
     store: StoreRate
     token_bytes: int
-    """Stored K/V bytes of one token (``ModelSpec.kv_bytes_per_token`` of the storage dtype's
-    itemsize): what crosses the wire."""
+    """Stored K/V bytes of one token in the values a lookup reads (``ModelSpec.kv_bytes_per_token``
+    of the storage dtype's itemsize; with windowed layers those of the other layers): what crosses
+    the wire per cached token. A windowed group's values, read for one window whatever the run,
+    are left out: a fixed cost the estimate's first-block term stands in for."""
     block_size: int
     margin: float = FETCH_MARGIN
     min_observations: int = MIN_OBSERVATIONS
