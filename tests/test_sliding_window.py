@@ -180,3 +180,43 @@ def test_model_info_and_the_start_up_log_give_each_layer_groups_bytes(window_mod
     assert (full.cached_bytes_per_token, windowed.cached_bytes_per_token) == (per_layer * 2, 2 * per_layer * 2)
     assert info.kv_bytes_per_token == full.kv_bytes_per_token + windowed.kv_bytes_per_token
     assert f"layers 0,1 read the last {WINDOW} positions: {2 * per_layer * 4} bytes per token in the slots" in log
+
+
+def test_a_row_never_copies_positions_another_rows_fetch_left_out(window_model, redis_url):
+    """Row A fetched 9 blocks, its windowed layers only from block 6 on; B shares A's first 5
+    blocks and finds nothing in the store (flushed). Copying them from A would give B's windowed
+    layers positions A never filled: B computes them instead, and answers as the recompute does."""
+    import asyncio
+
+    import redis
+
+    from services.engine.scheduler import SchedulerOptions
+
+    publisher = make_engine(window_model, redis_url)
+    engine = Engine.load(window_model, EngineOptions(block_size=B, cache_dtype="float32",
+                                                     scheduler=SchedulerOptions(max_unread_tokens=2)),
+                         open_store(redis_url, StoreOptions(), CacheStats()), CacheStats(), "cpu", 2)
+    long = prompt(9 * B + 6, seed=6)
+    short = long[: 5 * B] + prompt(2 * B + 3, seed=7)
+
+    async def scenario():
+        await publisher.generate(GenerationRequest(prompt_token_ids=long, max_new_tokens=1)).__anext__()
+        await publisher.wait_for_publishes()
+        holder = engine.generate(GenerationRequest(prompt_token_ids=long, max_new_tokens=500, ignore_eos=True))
+        first = await holder.__anext__()  # A decodes (then pauses: nobody reads it) and holds its slot
+        redis.Redis.from_url(redis_url).flushall()
+        ids, last = [], None
+        async for chunk in engine.generate(GenerationRequest(prompt_token_ids=short, max_new_tokens=8,
+                                                             ignore_eos=True)):
+            ids += chunk.token_ids
+            last = chunk
+        await holder.aclose()
+        return first, ids, last
+
+    try:
+        first, ids, last = asyncio.run(scenario())
+        assert first.token_ids and engine.cache_stats.block_hits == 9
+        assert last.usage.cached_prompt_tokens == 0 and ids == recomputed(window_model, short, 8)[0]
+    finally:
+        publisher.close()
+        engine.close()
