@@ -220,3 +220,32 @@ def test_a_row_never_copies_positions_another_rows_fetch_left_out(window_model, 
     finally:
         publisher.close()
         engine.close()
+
+
+def test_signed_window_values_cannot_be_moved_to_another_block(window_model, redis_url):
+    """With a fleet signing key the MAC binds each value to its key: block 7's windowed layers
+    copied under block 8's window key are refused (signature), deleted, and computed instead."""
+    import redis
+
+    from cachestore.signing import Keyring
+
+    keyring = Keyring.from_secrets([("k1", "fleet-secret-" + "a" * 40)])
+
+    def signed():
+        stats = CacheStats()
+        return Engine.load(window_model, EngineOptions(block_size=B, cache_dtype="float32"),
+                           open_store(redis_url, StoreOptions(keyring=keyring), stats), stats, "cpu", 2)
+
+    cold, warm = signed(), signed()
+    try:
+        ids = prompt(9 * B + 6, seed=8)
+        run(cold, ids, n=2)
+        hashes = cold.prefix.hashes(cold.namespace(""), ids)
+        client = redis.Redis.from_url(redis_url)
+        client.set(window_block_key(hashes[8]), client.get(window_block_key(hashes[7])))
+        got, _, last = run(warm, ids)
+        assert warm.cache_stats.rejected_values == {"signature": 1}
+        assert last.usage.cached_prompt_tokens == 8 * B and got == recomputed(window_model, ids, 8)[0]
+    finally:
+        cold.close()
+        warm.close()
