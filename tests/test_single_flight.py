@@ -162,8 +162,12 @@ def lease_of(engine, ids: list[int], block: int) -> str:
     return lease_key(block_hashes(engine.namespace(""), ids)[block])
 
 
-def test_a_second_worker_waits_for_the_lease_holders_blocks(tiny_model, redis_url):
-    engines = [make_engine(tiny_model, open_store(redis_url, StoreOptions(), CacheStats()), cache_dtype="float32",
+@pytest.mark.parametrize("preset", ["tiny", "tiny-window"])
+def test_a_second_worker_waits_for_the_lease_holders_blocks(model_dirs, redis_url, preset):
+    """With sliding-window layers too: the waiter's run is final only once its wait ends, and
+    only then are the windowed layers of its last window read."""
+    folder = model_dirs[preset, KVLayout.SEPARATE]
+    engines = [make_engine(folder, open_store(redis_url, StoreOptions(), CacheStats()), cache_dtype="float32",
                            max_prefill_tokens_per_step=32, leases=LeaseOptions(wait_factor=100))
                for _ in range(2)]
     try:
