@@ -146,7 +146,7 @@ def load_engine(settings: Settings) -> Engine:
         max_stop_string_bytes=settings.max_stop_string_bytes, tokenizer_threads=settings.tokenizer_threads,
         audio_threads=settings.audio_threads, max_audio_requests=settings.max_audio_requests,
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms),
-        prefix_fetch=PrefixFetch(settings.prefix_fetch),
+        prefix_fetch=PrefixFetch(settings.prefix_fetch), window_fetch=settings.window_fetch,
     )
     return Engine.load(settings.model, options, store, stats, device, settings.intra_op_threads,
                        settings.intra_op_spinning)

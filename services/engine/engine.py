@@ -116,6 +116,10 @@ class EngineOptions:
     (RESOURCE_EXHAUSTED) at once, before its audio is read."""
     leases: LeaseOptions = field(default_factory=LeaseOptions)
     """Fleet-wide single-flight: leases on computing uncached blocks, and how long to wait for them."""
+    window_fetch: bool = True
+    """Models with sliding-window layers: a fetch reads their K/V only for a continuation's last
+    window (``cachestore.prefix``). False keeps each block as one value of every layer, as for other
+    models: what ``bench.gemma`` compares the windowed fetch with."""
     prefix_fetch: PrefixFetch = PrefixFetch.AUTO
     """``auto``: on a device, a prompt's cached run is computed instead of fetched when that is
     expected faster (``kv_connector.fetch_policy``); ``always``: always fetched."""
@@ -164,7 +168,8 @@ class Engine:
                                          leases=options.leases, chunk_tokens=scheduling.max_prefill_tokens_per_step,
                                          prefix_fetch=options.prefix_fetch),
                                      pace, on_device=not session.on_host,
-                                     split_windows=batches_rows(session) and spec.windows.window >= options.block_size)
+                                     split_windows=(options.window_fetch and batches_rows(session)
+                                                    and spec.windows.window >= options.block_size))
         self.runner = ModelRunner(session, encoder, scheduling.max_batch, spec.context_length,
                                   self.connector.worker_side, pace, scheduling.max_unread_tokens)
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
