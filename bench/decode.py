@@ -66,12 +66,12 @@ def kvshare_run(stub, prompt: list[int], new_tokens: int) -> tuple[float, list[i
     return (done.last.usage.completion_tokens - 1) / ((t.total_ms - t.time_to_first_token_ms) / 1e3), done.token_ids
 
 
-def llama_cpp_run(python: str, gguf: Path, prompt: list[int], new_tokens: int) -> tuple[float, list[int], str]:
+def llama_cpp_run(python: str, gguf: Path, prompt: list[int], new_tokens: int) -> dict:
+    """llama.cpp's answer (``bench/llama_cpp_peer.py``: rate, tokens, prefill_ms, version)."""
     request = {"gguf": str(gguf), "prompt": prompt, "new_tokens": new_tokens, "threads": INTRA_OP_THREADS}
     proc = subprocess.run([python, str(Path(__file__).with_name("llama_cpp_peer.py"))], input=json.dumps(request),
                           capture_output=True, text=True, timeout=600, check=True)
-    answer = json.loads(proc.stdout)
-    return answer["rate"], answer["tokens"], answer["version"]
+    return json.loads(proc.stdout)
 
 
 def slots_run(slots: SlotBank, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
@@ -122,7 +122,8 @@ def main() -> int:
             rate, reference = genai_run(og_model, prompt, new_tokens)
             rates.setdefault("onnxruntime-genai", []).append(rate)
             if args.llama_cpp:
-                rate, theirs, version = llama_cpp_run(args.llama_cpp, args.gguf, prompt, new_tokens)
+                peer = llama_cpp_run(args.llama_cpp, args.gguf, prompt, new_tokens)
+                rate, theirs, version = peer["rate"], peer["tokens"], peer["version"]
                 rates.setdefault(f"llama.cpp {version} (GGUF)", []).append(rate)
     same = all(tokens == reference for tokens in outputs)
     genai = median(rates["onnxruntime-genai"])
