@@ -67,20 +67,22 @@ def build_tokenizer(vocab_size: int, seed: int = 0) -> TokenizerFiles:
     if tokenizer.get_vocab_size() != vocab_size:
         raise ValueError(f"tokenizer reached {tokenizer.get_vocab_size()} entries, not {vocab_size}")
     ids = [tokenizer.token_to_id(tok) for tok in SPECIAL_TOKENS]
-    return _files(tokenizer, vocab_size, *ids, chat_template=None)
+    return tokenizer_files(tokenizer, vocab_size, *ids, chat_template=None)
 
 
-def _files(tokenizer: Tokenizer, vocab_size: int, bos: int, eos: int, pad: int, chat_template: str | None) -> TokenizerFiles:
-    """tokenizer.json and a GPT-2-style tokenizer_config.json naming the special tokens (and the
-    chat template, if any)."""
+def tokenizer_files(tokenizer: Tokenizer, vocab_size: int, bos: int, eos: int, pad: int, chat_template: str | None, *,
+                    unk: int | None = None, tokenizer_class: str = "GPT2Tokenizer",
+                    add_bos_token: bool = False) -> TokenizerFiles:
+    """tokenizer.json and a tokenizer_config.json naming the transformers class, the special
+    tokens (the unknown token is ``eos`` unless given) and the chat template, if any."""
     token = tokenizer.id_to_token
     config = {
-        "tokenizer_class": "GPT2Tokenizer",
+        "tokenizer_class": tokenizer_class,
         "bos_token": token(bos),
         "eos_token": token(eos),
         "pad_token": token(pad),
-        "unk_token": token(eos),
-        "add_bos_token": False,
+        "unk_token": token(eos if unk is None else unk),
+        "add_bos_token": add_bos_token,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 1 << 20,
         **({"chat_template": chat_template} if chat_template else {}),
@@ -109,4 +111,4 @@ def tokenizer_from_vocabulary(tokens: list[str], token_types: list[int], merges:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                   for t, kind in zip(tokens, token_types, strict=True) if kind == 3])
-    return _files(tokenizer, len(tokens), bos_token_id, eos_token_id, pad_token_id, chat_template)
+    return tokenizer_files(tokenizer, len(tokens), bos_token_id, eos_token_id, pad_token_id, chat_template)
