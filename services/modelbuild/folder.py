@@ -29,8 +29,6 @@ from services.modelbuild.tokenizer_build import build_tokenizer
 from services.runtime.kv_layout import KVLayout
 
 MODEL_FILE = "model.onnx"
-MAX_PROTOBUF_BYTES = (2 << 30) - (64 << 20)
-"""What one serialized ONNX model may hold, less room for the graph itself."""
 ENCODER_FILE, DECODER_FILE = "encoder.onnx", "decoder.onnx"
 
 
@@ -162,45 +160,52 @@ def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int
 
 
 def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32", dtype: str = "float32") -> Path:
-    """Converts a Llama-architecture GGUF into a folder kvshare and ONNX Runtime GenAI both load.
-    ``weights``: ``fp32`` (the dequantized weights), or ``int8`` (MatMulNBits, 8 bits, blocks of 32,
-    accuracy level 4: re-quantized by ONNX Runtime's own quantizer). ``dtype``: the element type of
-    everything else (activations, K/V, logits, norm weights, and with int8 the quantization scales),
-    as GenAI's int4/int8 CUDA models pair MatMulNBits with float16. fp32 is the default because
-    int8 changed SmolLM2's answers: 8-bit kernels that keep them (float activations) decode at
-    2 tok/s here, the fast ones (int8 activations) get the capital of France wrong under the
-    template's default system message."""
-    from services.modelbuild.gguf_model import PRE_TOKENIZERS, GGUFError, read_gguf
-    from services.modelbuild.tokenizer_build import tokenizer_from_vocabulary
+    """Converts a Llama or Gemma 3 GGUF into a folder kvshare and ONNX Runtime GenAI both load:
+    model.onnx with its weights beside it in model.onnx.data (ONNX external data: the protobuf
+    stays small, and no 2 GiB limit). ``weights``: ``fp32`` (the dequantized weights), or ``int8``
+    (MatMulNBits, 8 bits, blocks of 32, accuracy level 4: re-quantized by ONNX Runtime's own
+    quantizer; the embedding and the tied head stay float). ``dtype``: the element type of
+    everything else (activations, K/V, logits, norm weights, and with int8 the quantization
+    scales), as GenAI's int4/int8 CUDA models pair MatMulNBits with float16. fp32 is the default
+    because int8 changed SmolLM2's answers: 8-bit kernels that keep them (float activations)
+    decode at 2 tok/s here, the fast ones (int8 activations) get the capital of France wrong under
+    the template's default system message."""
+    from services.modelbuild.gemma_graph import build_gemma_graph
+    from services.modelbuild.gguf_architectures import ARCHITECTURES
+    from services.modelbuild.gguf_model import GGUFError, read_gguf
+    from services.modelbuild.gguf_tokenizer import tokenizer_from_gguf
 
+    if weights not in ("fp32", "int8"):
+        raise ValueError(f"weights {weights!r} is not one of int8, fp32")
     source = read_gguf(gguf_path)
-    weight_bytes = sum(w.nbytes for w in source.weights.values())
-    if weight_bytes > MAX_PROTOBUF_BYTES:
-        raise GGUFError(f"{weight_bytes / 2**30:.1f} GiB of float32 weights do not fit one ONNX protobuf (2 GiB); "
-                        "the converter writes no external-data files")
     try:
-        tok = tokenizer_from_vocabulary(source.tokens, source.token_types, source.merges,
-                                        PRE_TOKENIZERS[source.pre_tokenizer], source.bos_token_id,
-                                        source.eos_token_id, source.pad_token_id, source.chat_template)
-        model = build_decoder_graph(source.shape, KVLayout.SEPARATE, seed=0, weights=source.weights,
-                                    tied_head=source.tied_head)
+        tok = tokenizer_from_gguf(source)
+        if source.architecture == "gemma3":
+            model = build_gemma_graph(source.shape, seed=0, weights=source.weights)
+        else:
+            model = build_decoder_graph(source.shape, KVLayout.SEPARATE, seed=0, weights=source.weights,
+                                        tied_head=source.tied_head)
     except Exception as exc:  # noqa: BLE001 - the tokenizers library raises its own types
-        raise GGUFError(f"its tensors or vocabulary do not fit a Llama decoder ({type(exc).__name__}: {exc})") from exc
+        raise GGUFError(f"its tensors or vocabulary do not fit a {source.architecture} decoder "
+                        f"({type(exc).__name__}: {exc})") from exc
     if weights == "int8":
         model = quantize_int8(model)
-    elif weights != "fp32":
-        raise ValueError(f"weights {weights!r} is not one of int8, fp32")
     model = convert_model(model, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(model, out_dir / MODEL_FILE)
+    onnx.save_model(model, out_dir / MODEL_FILE, save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=f"{MODEL_FILE}.data", size_threshold=1024)
+    # onnx creates the data file owner-only; readable as model.onnx is (an image's server runs as another user).
+    (out_dir / f"{MODEL_FILE}.data").chmod((out_dir / MODEL_FILE).stat().st_mode & 0o777)
     config = genai_config(source.shape, KVLayout.SEPARATE, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
+    config["model"]["type"] = ARCHITECTURES[source.architecture].genai_type
     _write_common(out_dir, config, tok)
     return out_dir
 
 
 def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every MatMul with a weight initializer becomes MatMulNBits (8 bits, symmetric, blocks of 32,
-    accuracy level 4: int8 activations on CPU). The tied head, a Transpose of the embedding, stays float."""
+    accuracy level 4: int8 activations on CPU). A tied head (a Transpose of the embedding, or a
+    Gemm against it) stays float."""
     # Through services.runtime.ort first: without ONNX Runtime, its error names the extras to install.
     from services.runtime.ort import onnxruntime  # noqa: F401
     # isort: split
