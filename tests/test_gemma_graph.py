@@ -1,0 +1,212 @@
+"""The Gemma 3 graph: ONNX Runtime's sliding-window semantics, and a tiny seeded Gemma 3 GGUF
+converted and served, against llama.cpp's math written out in numpy (tests/gemma_reference.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from conftest import stream_async
+from gemma_reference import TinyGemma, last_logits, tiny_tensors, write_tiny_gguf
+from onnx import TensorProto, helper
+
+from services.engine.engine import Engine, EngineOptions
+from services.engine.generation import GenerationRequest
+from services.modelbuild.decoder_graph import local_window_size
+from services.modelbuild.folder import write_gguf_folder
+from services.modelbuild.gguf_model import GGUFError, read_gguf
+from services.modelbuild.graph_writer import MS_DOMAIN, OPSET
+
+HEADS, HEAD = 2, 8
+
+
+def _attention_session(window_attribute: int) -> ort.InferenceSession:
+    """GroupQueryAttention alone (one K/V head, no rotary) with ``local_window_size``."""
+    dims = {"q": ["b", "s", HEADS * HEAD], "k": ["b", "s", HEAD], "v": ["b", "s", HEAD],
+            "past_k": ["b", 1, "p", HEAD], "past_v": ["b", 1, "p", HEAD]}
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in dims.items()]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["b"]),
+               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_k", "present_v")]
+    node = helper.make_node("GroupQueryAttention", [*dims, "seqlens_k", "total"], ["out", "present_k", "present_v"],
+                            domain=MS_DOMAIN, num_heads=HEADS, kv_num_heads=1, local_window_size=window_attribute)
+    model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
+    model.ir_version = 8
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def _windowed_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, window: int) -> np.ndarray:
+    """Query i (at position past + i) over keys p - window + 1 .. p: llama.cpp masks p - p0 >= window."""
+    out = np.empty_like(q)
+    for i in range(q.shape[0]):
+        p = past + i
+        keys = slice(max(0, p - window + 1), p + 1)
+        for h in range(HEADS):
+            scores = k[keys] @ q[i, h] / np.sqrt(HEAD)
+            probs = np.exp(scores - scores.max())
+            out[i, h] = probs / probs.sum() @ v[keys]
+    return out
+
+
+def _run_attention(session, q, k, v, past: int, shared: bool) -> np.ndarray:
+    """Attention of positions ``past ..`` after the first ``past`` K/V. ``shared``: as the engine
+    runs it, one buffer longer than all the tokens bound as both past and present; else a past of
+    exactly ``past`` positions."""
+    total, new = k.shape[0], k.shape[0] - past
+    capacity = total + 5 if shared else past
+    kv = np.zeros((2, 1, 1, capacity, HEAD), np.float32)
+    kv[0, 0, 0, :past], kv[1, 0, 0, :past] = k[:past], v[:past]
+    binding = session.io_binding()
+    for name, values in {"q": q[past:].reshape(1, new, -1), "k": k[past:].reshape(1, new, -1),
+                         "v": v[past:].reshape(1, new, -1), "seqlens_k": np.array([total - 1], np.int32),
+                         "total": np.array(total, np.int32)}.items():
+        binding.bind_cpu_input(name, np.ascontiguousarray(values))
+    binding.bind_output("out", "cpu")  # first: outputs come back in the order bound
+    caches = [ort.OrtValue.ortvalue_from_numpy(kv[j]) for j in (0, 1)]
+    for j, (past_name, present_name) in enumerate((("past_k", "present_k"), ("past_v", "present_v"))):
+        binding.bind_ortvalue_input(past_name, caches[j])
+        if shared:
+            binding.bind_ortvalue_output(present_name, caches[j])
+        else:
+            binding.bind_output(present_name, "cpu")
+    session.run_with_iobinding(binding)
+    return binding.get_outputs()[0].numpy().reshape(new, HEADS, HEAD)
+
+
+@pytest.mark.parametrize("window", [4, 512])
+def test_local_window_size_sees_exactly_the_window(window):
+    """Which ``local_window_size`` gives a query at p exactly the keys p - window + 1 .. p, in a
+    prefill longer than the window, in one-token decodes and in a several-token chunk over a past
+    longer than it, with a past of exactly its tokens and with the engine's shared past/present
+    buffer: local_window_size(window), and neither of its neighbours."""
+    rng = np.random.default_rng(window)
+    total = 2 * window + 6
+    q = rng.standard_normal((total, HEADS, HEAD)).astype(np.float32) * 2
+    k, v = rng.standard_normal((2, total, HEAD)).astype(np.float32) * 2
+    runs = [(past, shared) for past in (0, window + 3, total - 1) for shared in (False, True)]
+
+    def matches(attribute: int) -> bool:
+        session = _attention_session(attribute)
+        return all(np.allclose(_run_attention(session, q, k, v, past, shared),
+                               _windowed_attention(q[past:], k, v, past, window), atol=1e-5) for past, shared in runs)
+
+    chosen = local_window_size(window)
+    assert matches(chosen)
+    assert not matches(chosen - 1) and not matches(chosen + 1)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    """(shape, GGUF tensors, converted float32 folder) of a seeded tiny Gemma 3."""
+    shape = TinyGemma()
+    tensors = tiny_tensors(shape, seed=3)
+    root = tmp_path_factory.mktemp("tiny-gemma")
+    folder = write_gguf_folder(write_tiny_gguf(root / "tiny.gguf", shape, tensors), root / "model")
+    return shape, tensors, folder
+
+
+def test_the_gguf_reads_as_gemma_3(tiny_gemma, tmp_path):
+    shape, tensors, _ = tiny_gemma
+    model = read_gguf(write_tiny_gguf(tmp_path / "t.gguf", shape, tensors))
+    s = model.shape
+    assert (model.architecture, s.head_size, s.num_heads * s.head_size, s.sliding_window) == ("gemma3", 16, 32, 8)
+    assert s.windowed_layers == (0, 1, 2, 3, 4) and [s.rope_base(i) for i in (0, 5)] == [1e4, 1e6]
+    assert s.embedding_scale == float(np.float32(np.sqrt(np.float32(24)))) and model.tied_head
+
+
+def test_the_folder_is_gemma_3_with_last_position_logits(tiny_gemma):
+    import onnx
+
+    _, _, folder = tiny_gemma
+    config = json.loads((folder / "genai_config.json").read_text())
+    assert config["model"]["type"] == "gemma3_text" and config["model"]["decoder"]["head_size"] == 16
+    assert config["search"]["past_present_share_buffer"] is True
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    assert (folder / "model.onnx.data").stat().st_size > 0
+    windows = {n.name.split(".")[2]: {a.name: a.i for a in n.attribute}.get("local_window_size")
+               for n in graph.node if n.op_type == "GroupQueryAttention"}
+    assert windows == {str(i): local_window_size(8) if i < 5 else None for i in range(6)}
+    logits = next(o for o in graph.output if o.name == "logits")
+    assert [d.dim_value or d.dim_param for d in logits.type.tensor_type.shape.dim] == ["batch_size", 1, len(TinyGemma().vocab)]
+    assert "Transpose" not in {n.op_type for n in graph.node}
+
+
+def test_greedy_steps_across_the_window_equal_the_reference(tiny_gemma, load_engine):
+    """Prefill past the window, decode across it, then (a second engine, blocks of 4 through the
+    store) a prompt continuing a cached one and two rows decoding together, every step's logits
+    against llama.cpp's math."""
+    shape, tensors, folder = tiny_gemma
+    engine = load_engine(folder)
+    rng = np.random.default_rng(0)
+    prompt = rng.integers(4, len(shape.vocab), 19).tolist()
+
+    def check(prompt_ids: list[int], ids: list[int], logits: list[np.ndarray]) -> None:
+        for step, got in enumerate(logits):
+            want = last_logits(shape, tensors, prompt_ids + ids[:step])
+            np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max())
+        assert ids == [int(np.argmax(g)) for g in logits]
+
+    async def run(e: Engine, prompts: list[list[int]], n: int) -> list[int]:
+        """Runs ``prompts`` together, checks them, returns each one's cached prompt tokens."""
+        requests = [GenerationRequest(prompt_token_ids=p, max_new_tokens=n, ignore_eos=True, return_logits=True)
+                    for p in prompts]
+        cached = []
+        for p, (ids, logits, last) in zip(prompts, await asyncio.gather(*(stream_async(e, r) for r in requests)),
+                                          strict=True):
+            check(p, ids, logits)
+            cached.append(last.usage.cached_prompt_tokens)
+        return cached
+
+    asyncio.run(run(engine, [prompt], 14))
+    from cachestore.memory import MemoryStore
+    from cachestore.stats import CacheStats
+
+    blocks = Engine.load(folder, EngineOptions(block_size=4, cache_dtype="float32"), MemoryStore(8 << 20), CacheStats(), device="cpu",
+                         intra_op_threads=1)
+    try:
+        asyncio.run(run(blocks, [prompt], 1))
+        assert asyncio.run(run(blocks, [prompt + [268, 269, 270], prompt[:6]], 12)) == [16, 4]
+    finally:
+        blocks.close()
+
+
+@pytest.mark.parametrize(("key", "says"), [("gemma3.final_logit_softcapping", "final_logit_softcapping"),
+                                             ("gemma3.rope.scaling.factor", "rope.scaling.factor")])
+def test_what_the_gemma_graph_cannot_represent_is_refused(tmp_path, key, says):
+    shape = TinyGemma()
+    path = write_tiny_gguf(tmp_path / "t.gguf", shape, tiny_tensors(shape, seed=0), extra={key: 8.0})
+    with pytest.raises(GGUFError, match=says):
+        read_gguf(path)
+
+
+def test_prompt_logprobs_are_refused_by_a_last_position_graph(tiny_gemma, load_engine):
+    from services.errors import FailedPrecondition
+
+    engine = load_engine(tiny_gemma[2])
+    with pytest.raises(FailedPrecondition, match="only the last position"):
+        engine.prepare(GenerationRequest(prompt_token_ids=[5, 6, 7], max_new_tokens=1, prompt_logprobs=True))
+
+
+@pytest.mark.genai
+def test_onnxruntime_genai_runs_the_folder_to_the_references_tokens(tiny_gemma):
+    """GenAI's own runtime (genai_config type gemma3_text, logits [batch, 1, vocab]) on the converted
+    folder: greedy past the window, the reference's argmax at every step."""
+    import onnxruntime_genai as og
+
+    shape, tensors, folder = tiny_gemma
+    prompt = np.random.default_rng(1).integers(4, len(shape.vocab), 11).tolist()
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(prompt) + 12, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(np.asarray([prompt], dtype=np.int32))
+    ids = []
+    while not generator.is_done():
+        generator.generate_next_token()
+        ids.append(int(generator.get_next_tokens()[0]))
+    assert len(ids) == 12
+    assert ids == [int(np.argmax(last_logits(shape, tensors, prompt + ids[:i]))) for i in range(len(ids))]
