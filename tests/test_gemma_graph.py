@@ -210,3 +210,26 @@ def test_onnxruntime_genai_runs_the_folder_to_the_references_tokens(tiny_gemma):
         ids.append(int(generator.get_next_tokens()[0]))
     assert len(ids) == 12
     assert ids == [int(np.argmax(last_logits(shape, tensors, prompt + ids[:i]))) for i in range(len(ids))]
+
+
+def test_int8_weights_quantize_every_matmul_and_the_tied_head(tiny_gemma, tmp_path):
+    """int8: the layers' matmuls and the Gemm head on the embedding become MatMulNBits (the head
+    its own 8-bit copy, no float transpose left), the Gather keeps the float embedding, and the
+    logits stay near the reference (8-bit weights and, at accuracy level 4, activations)."""
+    import onnx
+
+    shape, tensors, _ = tiny_gemma
+    folder = write_gguf_folder(write_tiny_gguf(tmp_path / "t.gguf", shape, tensors), tmp_path / "int8", weights="int8")
+    graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
+    ops = [n.op_type for n in graph.node]
+    assert ops.count("MatMulNBits") == 7 * shape.layers + 1 and not {"MatMul", "Gemm"} & set(ops)
+    assert {i.name for i in graph.initializer if "embed_tokens" in i.name and not i.name.endswith(("_Q8", "_scales"))} \
+        == {"model.embed_tokens.weight"}
+    session = ort.InferenceSession(str(folder / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.random.default_rng(2).integers(4, len(shape.vocab), 19).tolist()
+    feed = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64)}
+    for i in range(shape.layers):
+        for kind in ("key", "value"):
+            feed[f"past_key_values.{i}.{kind}"] = np.zeros((1, shape.kv_heads, 0, shape.head), np.float32)
+    want = last_logits(shape, tensors, ids)
+    assert np.abs(session.run(["logits"], feed)[0].reshape(-1) - want).max() < 0.05 * np.abs(want).max()

@@ -10,7 +10,9 @@ import json
 import logging
 from pathlib import Path
 
+import numpy as np
 import onnx
+from onnx import helper, numpy_helper
 
 from services.modelbuild import encdec_graph
 from services.modelbuild.decoder_graph import (
@@ -204,8 +206,10 @@ def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32", dty
 
 def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every MatMul with a weight initializer becomes MatMulNBits (8 bits, symmetric, blocks of 32,
-    accuracy level 4: int8 activations on CPU). A tied head (a Transpose of the embedding, or a
-    Gemm against it) stays float."""
+    accuracy level 4: int8 activations on CPU), and so does a Gemm head on the tied embedding
+    (Gemma 3: its own 8-bit copy, 168 MB beside the float embedding the Gather reads; decode after
+    1,000 tokens 45 tok/s against 28 with a float head, 2 threads). Llama's tied head, a Transpose
+    of the embedding, stays float."""
     # Through services.runtime.ort first: without ONNX Runtime, its error names the extras to install.
     from services.runtime.ort import onnxruntime  # noqa: F401
     # isort: split
@@ -214,9 +218,25 @@ def quantize_int8(model: onnx.ModelProto) -> onnx.ModelProto:
     quantizer_log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level = quantizer_log.level
     quantizer_log.setLevel(logging.WARNING)  # it logs three INFO lines per matmul
+    _gemm_heads_as_matmuls(model)
     try:
         quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=32, is_symmetric=True, accuracy_level=4)
         quantizer.process()
     finally:
         quantizer_log.setLevel(level)
     return quantizer.model.model
+
+
+def _gemm_heads_as_matmuls(model: onnx.ModelProto) -> None:
+    """Each two-input Gemm with ``transB`` on a weight initializer becomes a MatMul on the
+    weight's transpose, which the quantizer takes (MatMulNBits keeps B as ``[N, K]``, so no
+    transposed float copy survives quantization)."""
+    weights = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm" and len(node.input) == 2 and node.input[1] in weights and attrs == {"transB": 1}:
+            transposed = f"{node.input[1]}_transposed"
+            values = numpy_helper.to_array(weights[node.input[1]]).T
+            model.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(values), transposed))
+            node.op_type, node.input[1] = "MatMul", transposed
+            del node.attribute[:]
