@@ -1,4 +1,4 @@
-"""The Gemma 3 graph: ONNX Runtime's sliding-window semantics, and a tiny seeded Gemma 3 GGUF
+"""The Gemma 3 graph: ONNX Runtime's sliding-window semantics (tests/gqa_window.py), and a tiny seeded Gemma 3 GGUF
 converted and served, against llama.cpp's math written out in numpy (tests/gemma_reference.py)."""
 
 from __future__ import annotations
@@ -11,92 +11,22 @@ import onnxruntime as ort
 import pytest
 from conftest import stream_async
 from gemma_reference import TinyGemma, last_logits, tiny_tensors, write_tiny_gguf
-from onnx import TensorProto, helper
+from gqa_window import Probe
 
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import GenerationRequest
 from services.modelbuild.decoder_graph import local_window_size
 from services.modelbuild.folder import write_gguf_folder
 from services.modelbuild.gguf_model import GGUFError, read_gguf
-from services.modelbuild.graph_writer import MS_DOMAIN, OPSET
-
-HEADS, HEAD = 2, 8
-
-
-def _attention_session(window_attribute: int) -> ort.InferenceSession:
-    """GroupQueryAttention alone (one K/V head, no rotary) with ``local_window_size``."""
-    dims = {"q": ["b", "s", HEADS * HEAD], "k": ["b", "s", HEAD], "v": ["b", "s", HEAD],
-            "past_k": ["b", 1, "p", HEAD], "past_v": ["b", 1, "p", HEAD]}
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in dims.items()]
-    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["b"]),
-               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_k", "present_v")]
-    node = helper.make_node("GroupQueryAttention", [*dims, "seqlens_k", "total"], ["out", "present_k", "present_v"],
-                            domain=MS_DOMAIN, num_heads=HEADS, kv_num_heads=1, local_window_size=window_attribute)
-    model = helper.make_model(helper.make_graph([node], "gqa", inputs, outputs),
-                              opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(MS_DOMAIN, 1)])
-    model.ir_version = 8
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-
-
-def _windowed_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, past: int, window: int) -> np.ndarray:
-    """Query i (at position past + i) over keys p - window + 1 .. p: llama.cpp masks p - p0 >= window."""
-    out = np.empty_like(q)
-    for i in range(q.shape[0]):
-        p = past + i
-        keys = slice(max(0, p - window + 1), p + 1)
-        for h in range(HEADS):
-            scores = k[keys] @ q[i, h] / np.sqrt(HEAD)
-            probs = np.exp(scores - scores.max())
-            out[i, h] = probs / probs.sum() @ v[keys]
-    return out
-
-
-def _run_attention(session, q, k, v, past: int, shared: bool) -> np.ndarray:
-    """Attention of positions ``past ..`` after the first ``past`` K/V. ``shared``: as the engine
-    runs it, one buffer longer than all the tokens bound as both past and present; else a past of
-    exactly ``past`` positions."""
-    total, new = k.shape[0], k.shape[0] - past
-    capacity = total + 5 if shared else past
-    kv = np.zeros((2, 1, 1, capacity, HEAD), np.float32)
-    kv[0, 0, 0, :past], kv[1, 0, 0, :past] = k[:past], v[:past]
-    binding = session.io_binding()
-    for name, values in {"q": q[past:].reshape(1, new, -1), "k": k[past:].reshape(1, new, -1),
-                         "v": v[past:].reshape(1, new, -1), "seqlens_k": np.array([total - 1], np.int32),
-                         "total": np.array(total, np.int32)}.items():
-        binding.bind_cpu_input(name, np.ascontiguousarray(values))
-    binding.bind_output("out", "cpu")  # first: outputs come back in the order bound
-    caches = [ort.OrtValue.ortvalue_from_numpy(kv[j]) for j in (0, 1)]
-    for j, (past_name, present_name) in enumerate((("past_k", "present_k"), ("past_v", "present_v"))):
-        binding.bind_ortvalue_input(past_name, caches[j])
-        if shared:
-            binding.bind_ortvalue_output(present_name, caches[j])
-        else:
-            binding.bind_output(present_name, "cpu")
-    session.run_with_iobinding(binding)
-    return binding.get_outputs()[0].numpy().reshape(new, HEADS, HEAD)
 
 
 @pytest.mark.parametrize("window", [4, 512])
 def test_local_window_size_sees_exactly_the_window(window):
-    """Which ``local_window_size`` gives a query at p exactly the keys p - window + 1 .. p, in a
-    prefill longer than the window, in one-token decodes and in a several-token chunk over a past
-    longer than it, with a past of exactly its tokens and with the engine's shared past/present
-    buffer: local_window_size(window), and neither of its neighbours."""
-    rng = np.random.default_rng(window)
-    total = 2 * window + 6
-    q = rng.standard_normal((total, HEADS, HEAD)).astype(np.float32) * 2
-    k, v = rng.standard_normal((2, total, HEAD)).astype(np.float32) * 2
-    runs = [(past, shared) for past in (0, window + 3, total - 1) for shared in (False, True)]
-
-    def matches(attribute: int) -> bool:
-        session = _attention_session(attribute)
-        return all(np.allclose(_run_attention(session, q, k, v, past, shared),
-                               _windowed_attention(q[past:], k, v, past, window), atol=1e-5) for past, shared in runs)
-
-    chosen = local_window_size(window)
-    assert matches(chosen)
-    assert not matches(chosen - 1) and not matches(chosen + 1)
+    """local_window_size(window), and neither of its neighbours, gives a query at p exactly the
+    keys p - window + 1 .. p on the CPU (gqa_window.Probe.matches says where it looks)."""
+    probe, chosen = Probe(head=8), local_window_size(window)
+    assert probe.matches(chosen, window, atol=1e-5)
+    assert not probe.matches(chosen - 1, window, atol=1e-5) and not probe.matches(chosen + 1, window, atol=1e-5)
 
 
 @pytest.fixture(scope="module")
