@@ -1,4 +1,6 @@
-"""Builds the ONNX graph of a seeded Llama-shaped decoder.
+"""Builds the ONNX graph of a seeded Llama-shaped decoder, and holds the decoder contract that
+gemma_graph.py's Gemma 3 graph shares: its inputs and outputs, the attention lengths, the rotary
+caches and the GroupQueryAttention node.
 
 Attention is ONNX Runtime's fused ``com.microsoft::GroupQueryAttention`` (rotary inside the op,
 positions derived from the attention mask), the same contract as ONNX Runtime GenAI's own model
