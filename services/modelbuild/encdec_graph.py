@@ -64,7 +64,7 @@ def _embed(g: GraphWriter, prefix: str, shape: EncoderDecoderShape, positions_co
 
 def _mlp_block(g: GraphWriter, x: str, prefix: str, shape: EncoderDecoderShape) -> str:
     normed = g.rms_norm(x, f"{prefix}.post_attention_layernorm", shape.hidden_size, shape.rms_eps)
-    mlp = g.swiglu(normed, f"{prefix}.mlp", shape.hidden_size, shape.intermediate_size, shape.init_std)
+    mlp = g.gated_mlp(normed, f"{prefix}.mlp", shape.hidden_size, shape.intermediate_size, shape.init_std)
     return g.node("Add", [x, mlp], f"{prefix}.mlp_residual")
 
 

@@ -1,10 +1,13 @@
-"""Reads a Llama-architecture GGUF file (llama.cpp's format) into what the folder writer needs: the
-decoder's shape, float32 weights under the builder's names and in its orientation (``[in, out]``
-for matmuls), the vocabulary and merges, the special token ids and the chat template.
+"""Reads a GGUF file (llama.cpp's format) into what the folder writer needs: the decoder's shape,
+float32 weights under the builder's names and in its orientation (``[in, out]`` for matmuls), and
+the tokenizer's fields (vocabulary, scores or merges, token types, special ids, chat template).
 
+The reader, the dequantization and the tokenizer fields are shared; each architecture
+(services/modelbuild/gguf_architectures.py) reads its shape from its own keys and maps its tensors.
 Anything the ONNX graph cannot represent is refused with a ``GGUFError`` naming it, never
 approximated: another architecture, rope scaling, attention biases, a tokenizer other than
-byte-level BPE with a known pre-tokenizer, a rotary dimension other than the head size.
+byte-level BPE with a known pre-tokenizer or SentencePiece, a rotary dimension other than the head
+size.
 """
 
 from __future__ import annotations
@@ -22,19 +25,8 @@ PRE_TOKENIZERS = {
     "smollm": ("digits", "gpt2"),
     "gpt2": ("gpt2",),
 }
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm.weight",
-    "ffn_norm": "post_attention_layernorm.weight",
-    "attn_q": "attn.q_proj.weight",
-    "attn_k": "attn.k_proj.weight",
-    "attn_v": "attn.v_proj.weight",
-    "attn_output": "attn.o_proj.weight",
-    "ffn_gate": "mlp.gate_proj.weight",
-    "ffn_up": "mlp.up_proj.weight",
-    "ffn_down": "mlp.down_proj.weight",
-}
-_REFUSED_KEYS = ("rope.scaling.type", "rope.scaling.factor", "attention.key_length", "attention.value_length",
-                 "expert_count", "attention.clamp_kqv", "logit_scale")
+TOKENIZER_MODELS = ("gpt2", "llama")
+"""``tokenizer.ggml.model`` values converted: byte-level BPE with merges, SentencePiece with scores."""
 
 
 class GGUFError(ValueError):
@@ -44,27 +36,56 @@ class GGUFError(ValueError):
 @dataclass(slots=True)
 class GGUFModel:
     name: str
+    architecture: str
+    """``general.architecture``: ``llama`` or ``gemma3``; says which graph builder takes ``shape``."""
     shape: DecoderShape
     weights: dict[str, np.ndarray]
     """float32, builder names (``model.layers.0.attn.q_proj.weight``), matmul weights ``[in, out]``."""
     tied_head: bool
     """No ``output.weight``: the output head is the token embedding, transposed."""
+    tokenizer_model: str
+    """``tokenizer.ggml.model``, one of TOKENIZER_MODELS."""
     tokens: list[str]
     token_types: list[int]
-    """llama.cpp's token types: 1 normal, 3 control, 4 user-defined, 6 byte."""
+    """llama.cpp's token types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte."""
+    scores: list[float] | None
+    """SentencePiece's piece scores (``llama`` tokenizers); None where the file has none."""
     merges: list[str]
+    """Byte-level BPE merges (``gpt2`` tokenizers); empty for SentencePiece."""
     pre_tokenizer: str
     bos_token_id: int
     eos_token_id: int
     pad_token_id: int
+    unknown_token_id: int | None
+    add_bos_token: bool
+    """Whether llama.cpp puts BOS before an encoded text (``tokenizer.ggml.add_bos_token``)."""
+    add_space_prefix: bool
+    """Whether SentencePiece prefixes the text with a space (``tokenizer.ggml.add_space_prefix``)."""
     chat_template: str | None
 
 
-def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
-    """Undoes llama.cpp's reordering of Q and K rows (``[out, in]``) for its interleaved rotary:
-    back to the half-split layout that GroupQueryAttention's ``rotary_interleaved=0`` expects."""
-    out, width = weight.shape
-    return weight.reshape(heads, out // heads // 2, 2, width).swapaxes(1, 2).reshape(out, width)
+class Fields:
+    """The file's key-value fields, read with an architecture's prefix or whole."""
+
+    def __init__(self, reader, arch: str) -> None:
+        self._fields, self.arch = reader.fields, arch
+
+    def get(self, key: str, default: object = None) -> object:
+        f = self._fields.get(key)
+        return default if f is None else f.contents()
+
+    def arch_get(self, key: str, default: object = None) -> object:
+        """``{arch}.{key}``."""
+        return self.get(f"{self.arch}.{key}", default)
+
+    def has(self, key: str) -> bool:
+        return f"{self.arch}.{key}" in self._fields
+
+    def required(self, key: str) -> object:
+        value = self.arch_get(key)
+        if value is None:
+            raise GGUFError(f"{self.arch}.{key} is missing")
+        return value
 
 
 def read_gguf(path: Path) -> GGUFModel:
@@ -74,71 +95,57 @@ def read_gguf(path: Path) -> GGUFModel:
     except GGUFError:
         raise
     except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError, OverflowError, OSError) as exc:
-        raise GGUFError(f"not a readable Llama GGUF ({type(exc).__name__}: {exc})") from exc
+        raise GGUFError(f"not a readable GGUF model ({type(exc).__name__}: {exc})") from exc
 
 
 def _read(path: Path) -> GGUFModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
+    from services.modelbuild.gguf_architectures import ARCHITECTURES
+
     reader = GGUFReader(path)
-
-    def field(key: str, default: object = None) -> object:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    arch = field("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"architecture {arch!r}: only 'llama' can be converted")
-    for key in _REFUSED_KEYS:
-        if f"{arch}.{key}" in reader.fields:
+    arch = reader.fields.get("general.architecture")
+    arch = arch.contents() if arch is not None else None
+    if arch not in ARCHITECTURES:
+        raise GGUFError(f"architecture {arch!r}: only {', '.join(map(repr, ARCHITECTURES))} can be converted")
+    mapping = ARCHITECTURES[arch]
+    fields = Fields(reader, arch)
+    for key in mapping.refused_keys:
+        if fields.has(key):
             raise GGUFError(f"{arch}.{key} is set: the graph has no way to represent it")
-    heads, kv_heads = int(field("llama.attention.head_count")), int(field("llama.attention.head_count_kv"))
-    hidden = int(field("llama.embedding_length"))
-    tokens = list(field("tokenizer.ggml.tokens"))
-    shape = DecoderShape(
-        num_layers=int(field("llama.block_count")), hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads,
-        intermediate_size=int(field("llama.feed_forward_length")), vocab_size=len(tokens),
-        context_length=int(field("llama.context_length")), rope_theta=float(field("llama.rope.freq_base", 10000.0)),
-        rms_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
-    )
-    rotary = int(field("llama.rope.dimension_count", shape.head_size))
+    tokens = list(fields.get("tokenizer.ggml.tokens"))
+    shape = mapping.shape(fields, len(tokens))
+    rotary = int(fields.arch_get("rope.dimension_count", shape.head_size))
     if rotary != shape.head_size:
         raise GGUFError(f"rotary dimension {rotary} is not the head size {shape.head_size}")
-    if field("tokenizer.ggml.model") != "gpt2":
-        raise GGUFError(f"tokenizer model {field('tokenizer.ggml.model')!r}: only byte-level BPE ('gpt2') is converted")
-    pre = str(field("tokenizer.ggml.pre", "gpt2"))
-    if pre not in PRE_TOKENIZERS:
+    tokenizer_model = fields.get("tokenizer.ggml.model")
+    if tokenizer_model not in TOKENIZER_MODELS:
+        raise GGUFError(f"tokenizer model {tokenizer_model!r}: only byte-level BPE ('gpt2') and SentencePiece ('llama') "
+                        "are converted")
+    pre = str(fields.get("tokenizer.ggml.pre", "gpt2" if tokenizer_model == "gpt2" else "default"))
+    if tokenizer_model == "gpt2" and pre not in PRE_TOKENIZERS:
         raise GGUFError(f"pre-tokenizer {pre!r} is not one of {sorted(PRE_TOKENIZERS)}")
 
     weights: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
-        name = tensor.name
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        if name == "token_embd.weight":
-            weights["model.embed_tokens.weight"] = values
-        elif name == "output.weight":
-            weights["lm_head.weight"] = values.T.copy()
-        elif name == "output_norm.weight":
-            weights["model.norm.weight"] = values
-        elif name.startswith("blk.") and name.endswith(".weight"):
-            _, layer, kind, _ = name.split(".")
-            if kind not in _LAYER_TENSORS:
-                raise GGUFError(f"tensor {name}: {kind} has no place in a Llama decoder layer")
-            if values.ndim == 2:
-                if kind in ("attn_q", "attn_k"):
-                    values = _unpermute(values, heads if kind == "attn_q" else kv_heads)
-                values = values.T.copy()
-            weights[f"model.layers.{layer}.{_LAYER_TENSORS[kind]}"] = values
-        else:
-            raise GGUFError(f"tensor {name} (e.g. an attention bias) has no place in the graph")
-    template = field("tokenizer.chat_template")
+        name, values = mapping.tensor(tensor.name, values, shape)
+        weights[name] = values
+    template = fields.get("tokenizer.chat_template")
+    scores = fields.get("tokenizer.ggml.scores")
+    eos = int(fields.get("tokenizer.ggml.eos_token_id"))
+    unknown = fields.get("tokenizer.ggml.unknown_token_id")
     return GGUFModel(
-        name=str(field("general.name", path.stem)), shape=shape, weights=weights,
-        tied_head="lm_head.weight" not in weights, tokens=tokens,
-        token_types=[int(t) for t in field("tokenizer.ggml.token_type")], merges=list(field("tokenizer.ggml.merges")),
-        pre_tokenizer=pre, bos_token_id=int(field("tokenizer.ggml.bos_token_id")),
-        eos_token_id=int(field("tokenizer.ggml.eos_token_id")),
-        pad_token_id=int(field("tokenizer.ggml.padding_token_id", field("tokenizer.ggml.eos_token_id"))),
+        name=str(fields.get("general.name", path.stem)), architecture=arch, shape=shape, weights=weights,
+        tied_head="lm_head.weight" not in weights, tokenizer_model=tokenizer_model, tokens=tokens,
+        token_types=[int(t) for t in fields.get("tokenizer.ggml.token_type")],
+        scores=[float(s) for s in scores] if scores is not None else None,
+        merges=list(fields.get("tokenizer.ggml.merges", [])), pre_tokenizer=pre,
+        bos_token_id=int(fields.get("tokenizer.ggml.bos_token_id")), eos_token_id=eos,
+        pad_token_id=int(fields.get("tokenizer.ggml.padding_token_id", eos)),
+        unknown_token_id=int(unknown) if unknown is not None else None,
+        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
         chat_template=str(template) if template is not None else None,
     )

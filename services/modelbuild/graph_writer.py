@@ -50,12 +50,19 @@ class GraphWriter:
         weight = self.const(f"{name}.weight", self._given(f"{name}.weight", (width,)) if given else np.ones(width, np.float32))
         return self.node("SimplifiedLayerNormalization", [x, weight], name, axis=-1, epsilon=eps)
 
-    def swiglu(self, x: str, prefix: str, width: int, inner: int, std: float) -> str:
-        """SwiGLU MLP: down(silu(x @ gate) * (x @ up))."""
+    def gated_mlp(self, x: str, prefix: str, width: int, inner: int, std: float, activation: str = "silu") -> str:
+        """down(act(x @ gate) * (x @ up)): SwiGLU with ``silu``, GeGLU with ``gelu_tanh`` (GELU's
+        tanh approximation, ONNX Runtime's FastGelu)."""
         gate = self.node("MatMul", [x, self.weight(f"{prefix}.gate_proj.weight", (width, inner), std)], f"{prefix}.gate")
         up = self.node("MatMul", [x, self.weight(f"{prefix}.up_proj.weight", (width, inner), std)], f"{prefix}.up")
-        silu = self.node("Mul", [gate, self.node("Sigmoid", [gate], f"{prefix}.gate_sigmoid")], f"{prefix}.silu")
-        return self.node("MatMul", [self.node("Mul", [silu, up], f"{prefix}.swiglu"),
+        if activation == "silu":
+            act = self.node("Mul", [gate, self.node("Sigmoid", [gate], f"{prefix}.gate_sigmoid")], f"{prefix}.silu")
+        elif activation == "gelu_tanh":
+            act = self.node("FastGelu", [gate], f"{prefix}.gelu", domain=MS_DOMAIN)
+        else:
+            raise ValueError(f"activation {activation!r} has no graph")
+        name = "swiglu" if activation == "silu" else "geglu"
+        return self.node("MatMul", [self.node("Mul", [act, up], f"{prefix}.{name}"),
                                     self.weight(f"{prefix}.down_proj.weight", (inner, width), std)], f"{prefix}.down")
 
     def model(self, name: str, inputs: list, outputs: list) -> onnx.ModelProto:

@@ -148,6 +148,8 @@ class DecoderSession:
         self.cross_heads = self._cross_heads()
         logits = next(o for o in self._session.get_outputs() if o.name == spec.logits_name)
         self.logits_rank = len(logits.shape)
+        # [batch, 1, vocab] (a fixed 1, as GenAI runs Gemma 3's last-position graph) is the last position only.
+        self.logits_per_position = self.logits_rank == 3 and logits.shape[1] != 1
         self.logits_dtype = np.dtype(_ORT_TYPES[logits.type])
         log.info("model %s on %s (kv %s, layout %s, shared past/present buffer: %s)", spec.name,
                  self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer)
@@ -288,10 +290,13 @@ class DecoderSession:
         return (self.positions_logits(outputs[0].numpy(), n, all_positions),
                 KVCache(values=list(outputs[1:]), length=total, capacity=total, cross=cache.cross))
 
-    @property
-    def logits_per_position(self) -> bool:
-        """Whether the graph emits logits for every position (rank 3), not only the last one."""
-        return self.logits_rank == 3
+    def logits_shape(self, rows: int, n: int) -> list[int]:
+        """The logits of a run over ``n`` tokens in each of ``rows`` rows, as the graph emits them:
+        ``[rows, n, vocab]`` per position, else ``[rows, vocab]`` or ``[rows, 1, vocab]``."""
+        vocab = self.spec.vocab_size
+        if self.logits_rank == 2:
+            return [rows, vocab]
+        return [rows, n if self.logits_per_position else 1, vocab]
 
     def positions_logits(self, logits: np.ndarray, n: int, all_positions: bool) -> np.ndarray:
         """The last position's float32 logits ``[vocab]`` of a batch-1 run over ``n`` tokens, or with

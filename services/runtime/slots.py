@@ -116,7 +116,7 @@ class SharedSlots(_Bank):
         self._full = slice(0, spec.num_layers - len(spec.windows.layers))
         self._windowed = slice(self._full.stop, spec.num_layers)
         self._lengths = np.zeros(max_batch, dtype=np.int64)
-        self._logits = device.zeros(self._logits_shape(max_batch, 1), session.logits_dtype)
+        self._logits = device.zeros(self.session.logits_shape(max_batch, 1), session.logits_dtype)
         self._prefill_buffer = None
         self._decode_bindings: dict[int, ort.IOBinding] = {}
         self._row_locks = [threading.Lock() for _ in range(max_batch)]
@@ -188,10 +188,6 @@ class SharedSlots(_Bank):
         slot.length = length
         self._lengths[slot.index] = length
 
-    def _logits_shape(self, rows: int, n: int) -> list[int]:
-        vocab = self.session.spec.vocab_size
-        return [rows, n, vocab] if self.session.logits_rank == 3 else [rows, vocab]
-
     def _bind(self, binding: ort.IOBinding, name: str, array, output: bool = False, first_row: int = 0,
               shape: list[int] | None = None) -> None:
         """Binds ``array`` (in the bank's array module) by pointer, from row ``first_row`` with
@@ -254,7 +250,7 @@ class SharedSlots(_Bank):
         """Where a prefill run over ``n`` tokens writes its logits: the front of one buffer kept
         for the longest run so far (a fresh one per run would cost its page faults on the host,
         an allocation on a device). Callers copy what they keep (``positions_logits``)."""
-        shape = self._logits_shape(1, n)
+        shape = self.session.logits_shape(1, n)
         size = int(np.prod(shape))
         if self._prefill_buffer is None or self._prefill_buffer.size < size:
             self._prefill_buffer = self.device.zeros([size], self.session.logits_dtype)
@@ -299,7 +295,7 @@ class SharedSlots(_Bank):
         if binding is None:
             binding = self.session.io_binding()
             self._bind(binding, self.session.spec.logits_name, self._logits, output=True,
-                       shape=self._logits_shape(rows, 1))
+                       shape=self.session.logits_shape(rows, 1))
             self._bind_rows(binding, 0, rows)
             self._decode_bindings[rows] = binding
         return binding
