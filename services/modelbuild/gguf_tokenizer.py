@@ -1,21 +1,19 @@
-"""The tokenizer files of a converted GGUF, chosen by its ``tokenizer.ggml.model``.
-
-``gpt2`` (byte-level BPE with merges) is tokenizer_build.tokenizer_from_vocabulary. ``llama``
-(SentencePiece, Gemma 3's) is, for now, ``_sentencepiece_placeholder``: a Unigram over the
-vocabulary and scores that loads and round-trips text but does not split exactly as llama.cpp's
-SentencePiece-BPE does; it is to be replaced by the exact one (services/modelbuild/spm_tokenizer.py).
-"""
+"""The tokenizer files of a converted GGUF, chosen by its ``tokenizer.ggml.model``: ``gpt2``
+(byte-level BPE with merges: tokenizer_build.tokenizer_from_vocabulary) or ``llama``
+(SentencePiece, Gemma 3's: spm_tokenizer), each tokenizing as llama.cpp does."""
 
 from __future__ import annotations
 
 from services.modelbuild.gguf_model import PRE_TOKENIZERS, GGUFModel
+from services.modelbuild.spm_tokenizer import (
+    SpmVocabulary,
+    end_of_generation_ids,
+    spm_tokenizer,
+)
 from services.modelbuild.tokenizer_build import (
     TokenizerFiles,
-    _files,
     tokenizer_from_vocabulary,
 )
-
-_CONTROL, _USER_DEFINED = 3, 4
 
 
 def tokenizer_from_gguf(source: GGUFModel) -> TokenizerFiles:
@@ -23,31 +21,23 @@ def tokenizer_from_gguf(source: GGUFModel) -> TokenizerFiles:
         return tokenizer_from_vocabulary(source.tokens, source.token_types, source.merges,
                                          PRE_TOKENIZERS[source.pre_tokenizer], source.bos_token_id,
                                          source.eos_token_id, source.pad_token_id, source.chat_template)
-    return _sentencepiece_placeholder(source)
+    return spm_tokenizer(_vocabulary(source))
 
 
-def _sentencepiece_placeholder(source: GGUFModel) -> TokenizerFiles:
-    """A Unigram over ``tokens`` with ``scores``, byte fallback, spaces as ``▁``, BOS first when
-    the file says so; control and user-defined tokens matched whole."""
-    from tokenizers import (
-        AddedToken,
-        Tokenizer,
-        decoders,
-        models,
-        normalizers,
-        processors,
+def stop_token_ids(source: GGUFModel) -> list[int]:
+    """The ids at which llama.cpp ends generation on this vocabulary: its EOS, and for SentencePiece
+    vocabularies the end-of-turn tokens it recognises by name (Gemma 3: ``<eos>``,
+    ``<end_of_turn>``, ``</s>``)."""
+    if source.tokenizer_model == "gpt2":
+        return [source.eos_token_id]
+    return end_of_generation_ids(_vocabulary(source))
+
+
+def _vocabulary(source: GGUFModel) -> SpmVocabulary:
+    return SpmVocabulary(
+        tokens=source.tokens, scores=list(source.scores or [0.0] * len(source.tokens)),
+        token_types=source.token_types, bos_token_id=source.bos_token_id, eos_token_id=source.eos_token_id,
+        unk_token_id=source.unknown_token_id if source.unknown_token_id is not None else 0,
+        pad_token_id=source.pad_token_id, add_bos_token=source.add_bos_token,
+        add_space_prefix=source.add_space_prefix, chat_template=source.chat_template,
     )
-
-    pieces = [(t, s) for t, s in zip(source.tokens, source.scores or [0.0] * len(source.tokens), strict=True)]
-    tokenizer = Tokenizer(models.Unigram(pieces, unk_id=source.unknown_token_id, byte_fallback=True))
-    steps = [normalizers.Prepend("▁")] if source.add_space_prefix else []
-    tokenizer.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", "▁")])
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
-    tokenizer.add_tokens([AddedToken(t, special=kind == _CONTROL, normalized=False)
-                          for t, kind in zip(source.tokens, source.token_types, strict=True)
-                          if kind in (_CONTROL, _USER_DEFINED)])
-    if source.add_bos_token:
-        bos = source.tokens[source.bos_token_id]
-        tokenizer.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, source.bos_token_id)])
-    return _files(tokenizer, len(source.tokens), source.bos_token_id, source.eos_token_id, source.pad_token_id,
-                  source.chat_template)
