@@ -249,3 +249,28 @@ def test_signed_window_values_cannot_be_moved_to_another_block(window_model, red
     finally:
         cold.close()
         warm.close()
+
+
+def test_without_the_window_fetch_every_block_is_one_value_of_every_layer(window_model, redis_url):
+    """``--window-fetch false``: blocks as for any model (all layers, in the slots' grouped order,
+    which the namespace names), never read by a worker that splits them."""
+    def plain():
+        return Engine.load(window_model, EngineOptions(block_size=B, cache_dtype="float32", window_fetch=False),
+                           open_store(redis_url, StoreOptions(), CacheStats()), CacheStats(), "cpu", 2)
+
+    cold, warm, split = plain(), plain(), make_engine(window_model, redis_url)
+    try:
+        ids = prompt(9 * B + 6, seed=9)
+        run(cold, ids, n=2)
+        before = warm.cache_stats.bytes_read
+        got, _, last = run(warm, ids)
+        g = warm.prefix.geometry
+        assert (g.window_layers, last.usage.cached_prompt_tokens) == (0, 9 * B)
+        assert got == recomputed(window_model, ids, 8)[0]
+        value = len(encode(ValueKind.PREFIX_BLOCK, b"\0" * 32, np.zeros(g.block_shape(B), g.dtype)))
+        assert warm.cache_stats.bytes_read - before == 9 * value
+        assert warm.namespace("").layout.endswith(";layers=2,0,1") and split.namespace("") != warm.namespace("")
+        assert run(split, ids, n=2)[2].usage.cached_prompt_tokens == 0
+    finally:
+        for e in (cold, warm, split):
+            e.close()

@@ -158,6 +158,7 @@ class Engine:
         self.request_observers: list[Callable[[RequestRecord], None]] = []
         """Called on the event loop once per request that ends."""
         pace = PrefillPace(options.leases.first_ms_per_token)
+        shared_rows = batches_rows(session)  # the slots order layers as the store's groups
         self.connector = KVConnector(spec, session.kv_dtype, session.cross_heads,
                                      storage_dtype(options.cache_dtype), store, cache_stats, ConnectorOptions(
                                          block_size=options.block_size, namespace_secret=options.namespace_secret,
@@ -168,7 +169,8 @@ class Engine:
                                          leases=options.leases, chunk_tokens=scheduling.max_prefill_tokens_per_step,
                                          prefix_fetch=options.prefix_fetch),
                                      pace, on_device=not session.on_host,
-                                     split_windows=(options.window_fetch and batches_rows(session)
+                                     layer_order=spec.layer_order if shared_rows else tuple(range(spec.num_layers)),
+                                     split_windows=(options.window_fetch and shared_rows
                                                     and spec.windows.window >= options.block_size))
         self.runner = ModelRunner(session, encoder, scheduling.max_batch, spec.context_length,
                                   self.connector.worker_side, pace, scheduling.max_unread_tokens)

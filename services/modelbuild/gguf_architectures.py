@@ -125,7 +125,7 @@ ARCHITECTURES: dict[str, Architecture] = {
                        **_PROJECTIONS},
         shape=_llama_shape,
         refused_keys=(*_SCALED_ROPE, "attention.key_length", "attention.value_length", "expert_count",
-                      "attention.clamp_kqv", "logit_scale"),
+                      "attention.clamp_kqv", "logit_scale", "attention.sliding_window"),
         permuted_qk=True, untied_head=True, genai_type="llama",
     ),
     # src/models/gemma3.cpp: norm weights are used as RMSNorm multipliers as stored (the converter

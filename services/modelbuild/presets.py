@@ -65,10 +65,10 @@ class DecoderShape:
         return self.sliding_window if layer in self.windowed_layers else 0
 
     def gemma_features(self) -> list[str]:
-        """The fields that differ from a Llama decoder, by name (empty for Llama)."""
+        """The fields that differ from a Llama decoder, by name (empty for Llama). A sliding window
+        is not one: the Llama graph takes it (Mistral-style; the ``tiny-window`` preset)."""
         llama = DecoderShape(1, 1, 1, 1, 1, 1, 1)
-        names = ("qk_norm", "post_norms", "activation", "embedding_scale", "rope_theta_windowed", "sliding_window",
-                 "windowed_layers")
+        names = ("qk_norm", "post_norms", "activation", "embedding_scale", "rope_theta_windowed")
         features = [n for n in names if getattr(self, n) != getattr(llama, n)]
         return features + (["head_dim"] if self.head_size * self.num_heads != self.hidden_size else [])
 

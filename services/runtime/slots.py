@@ -113,8 +113,6 @@ class SharedSlots(_Bank):
                                 session.kv_dtype)
         self._position = {layer: i for i, layer in enumerate(spec.layer_order)}
         """Where each model layer lies on the buffer's layer axis (grouped: see the module)."""
-        self._full = slice(0, spec.num_layers - len(spec.windows.layers))
-        self._windowed = slice(self._full.stop, spec.num_layers)
         self._lengths = np.zeros(max_batch, dtype=np.int64)
         self._logits = device.zeros(self.session.logits_shape(max_batch, 1), session.logits_dtype)
         self._prefill_buffer = None
@@ -147,21 +145,22 @@ class SharedSlots(_Bank):
     def _blocks_into(self, slot: Slot, start: int, blocks: Sequence[np.ndarray], tokens: int,
                      windows: Sequence[tuple[int, np.ndarray]]) -> None:
         """Copies the first ``tokens - start`` tokens of canonical ``blocks`` into the slot's row
-        from position ``start`` (every layer, or with windowed layers the ``full`` group), and of
-        ``windows`` (block index, the windowed layers of that block) the tokens below ``tokens``:
-        one copy per block, exactly the tokens used."""
+        from position ``start``, and of ``windows`` (block index, the windowed layers of that block)
+        the tokens below ``tokens``: one copy per block, exactly the tokens used. A block holds the
+        first layers of the canonical axis (every layer, or those before the windowed ones when the
+        store splits them off), a window value the last ones."""
         row, offset = self._kv[:, :, slot.index], start
         for block in blocks:
             n = min(block.shape[3], tokens - offset)
             if n <= 0:
                 break
-            self.device.copy_in(row[self._full, :, :, offset : offset + n], block[:, :, :, :n])
+            self.device.copy_in(row[: block.shape[0], :, :, offset : offset + n], block[:, :, :, :n])
             offset += n
         for i, block in windows:
             first = i * block.shape[3]
             n = min(block.shape[3], tokens - first)
             if n > 0:
-                self.device.copy_in(row[self._windowed, :, :, first : first + n], block[:, :, :, :n])
+                self.device.copy_in(row[-block.shape[0] :, :, :, first : first + n], block[:, :, :, :n])
 
     def begin(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int, cross_kv: np.ndarray | None = None,
               windows: Sequence[tuple[int, np.ndarray]] = ()) -> None:

@@ -55,16 +55,18 @@ class KVConnector:
 
     def __init__(self, spec: ModelSpec, model_kv_dtype: np.dtype, cross_heads: int, storage_dtype: np.dtype,
                  store: KVStore, cache_stats: CacheStats, options: ConnectorOptions, pace: PrefillPace,
-                 on_device: bool, split_windows: bool) -> None:
+                 on_device: bool, layer_order: tuple[int, ...], split_windows: bool) -> None:
         """``on_device``: the decoder runs on a device, not the CPU provider (``FetchPolicy.on_device``).
-        ``split_windows``: the slots group the model's windowed layers as the store does
-        (``slots.batches_rows``), so a fetch reads their K/V only where a continuation reads it;
-        otherwise every block is one value of every layer, windowed or not."""
+        ``layer_order``: the model layers along the canonical layer axis, as the slots keep them
+        (``ModelSpec.layer_order`` in ``SharedSlots``, the model's own order otherwise).
+        ``split_windows``: the order groups the windowed layers last and a fetch reads their K/V
+        only where a continuation reads it; otherwise every block is one value of every layer."""
         self.spec = spec
         self.options = options
         self.storage_dtype = storage_dtype
         """The K/V element type in the store; part of every namespace."""
         self.store = store
+        self.layer_order = layer_order
         windows = spec.windows if split_windows else LayerWindows()
         self.geometry = KVGeometry(spec.num_layers, spec.num_kv_heads, spec.head_size, storage_dtype,
                                    windows.window, len(windows.layers))
@@ -89,12 +91,14 @@ class KVConnector:
 
     @property
     def _layout(self) -> str:
-        """The canonical layout, and with windowed layers how a block's layers are split (the
-        values under the keys differ: one value per block, or two)."""
-        g = self.geometry
-        if not g.window_layers:
-            return CANONICAL_LAYOUT
-        return f"{CANONICAL_LAYOUT};windowed={g.window}x{g.window_layers}:{','.join(map(str, self.spec.windows.layers))}"
+        """The canonical layout, with the layer order when it is not the model's, and how a
+        block's layers are split when windowed ones are apart: the values under the keys differ."""
+        g, layout = self.geometry, CANONICAL_LAYOUT
+        if self.layer_order != tuple(range(self.spec.num_layers)):
+            layout += ";layers=" + ",".join(map(str, self.layer_order))
+        if g.window_layers:
+            layout += f";windowed={g.window}x{g.window_layers}"
+        return layout
 
     def namespace(self, salt: str, encoder_input: BlockHash | None = None, tenant: str = "") -> Namespace:
         """Everything this worker's prefix K/V depends on besides the tokens (docs/design.md, invariant 2):
