@@ -112,6 +112,8 @@ class PrefixLookup:
     window_from: int = 0
     """The first block whose windowed layers' K/V is in place (read, or computed by the reader
     before the lookup's first block); 0 for models without windowed layers."""
+    window_present: set[int] = field(default_factory=set)
+    """Blocks whose windowed layers were read and passed the checks."""
 
     def release(self) -> None:
         """Drops the fetched values (they are in the slot now), keeping what was found."""
@@ -133,51 +135,66 @@ class PrefixStore:
         stops at the first miss, and a value that fails a check is counted, deleted, and ends the
         run like a miss. With ``into``, block ``i`` of the run goes to ``into(i, block, layers)`` as
         soon as it is checked, before the next value is read, and is kept only if ``into`` returns
-        True: a fetch that copies each block into its slot holds one value at a time. With windowed
-        layers this reads the ``full`` group only: ``complete_windows`` reads the rest."""
+        True: a fetch that copies each block into its slot holds one value at a time.
+
+        With windowed layers the same read first asks for the windowed values a continuation after
+        the whole prompt's blocks would read (most warm prompts find them all): handed to ``into``
+        and noted for ``complete_windows``, which reads what the final run needs beyond them. One
+        round trip, not two, whatever the run's length."""
         found = PrefixLookup(hashes=self.hashes(namespace, token_ids), blocks=[])
-        hits = self.extend(found, namespace.block_size, into)
+        size, geometry = namespace.block_size, self.geometry
+        ahead = (geometry.window_blocks(min(len(found.hashes) * size, len(token_ids) - 1), size)
+                 if geometry.window_layers else range(0))
+        hits = self.extend(found, size, into, windows_ahead=ahead)
         self.stats.add(block_hits=hits, block_misses=len(found.hashes) - hits)
         return found
 
     def extend(self, found: PrefixLookup, block_size: int, into: Receiver | None = None,
-               limit: int | None = None) -> int:
+               limit: int | None = None, windows_ahead: Sequence[int] = ()) -> int:
         """Reads on from the end of ``found``'s run (blocks another worker published since), at
-        most ``limit`` blocks, as ``lookup`` reads; adds them to ``found`` and returns how many
-        were added. Not counted as hits or misses: ``lookup`` counted the prompt's blocks once."""
-        first = found.hit_blocks
+        most ``limit`` blocks, as ``lookup`` reads (with ``windows_ahead``, those blocks' windowed
+        layers first); adds them to ``found`` and returns how many were added. Not counted as hits
+        or misses: ``lookup`` counted the prompt's blocks once."""
+        geometry, first = self.geometry, found.hit_blocks
         indices = range(first, len(found.hashes) if limit is None else min(len(found.hashes), first + limit))
+        requests = [(i, geometry.windowed) for i in windows_ahead] + [(i, geometry.full) for i in indices]
         hits = 0
-        for i, block in self._read(found.hashes, indices, block_size, self.geometry.full, stop_at_miss=True):
-            if into is None or into(i, block, self.geometry.full):
-                found.blocks.append(block)
-            hits += 1
+        for i, layers, block in self._read(found.hashes, requests, block_size):
+            if layers == geometry.full:
+                if into is None or into(i, block, layers):
+                    found.blocks.append(block)
+                hits += 1
+            else:
+                self._window_read(found, i, block, into)
         found.hit_blocks += hits
         return hits
+
+    def _window_read(self, found: PrefixLookup, i: int, block: np.ndarray, into: Receiver | None) -> None:
+        found.window_present.add(i)
+        if into is None or into(i, block, self.geometry.windowed):
+            found.windows.append((i, block))
 
     def complete_windows(self, found: PrefixLookup, block_size: int, prompt_tokens: int, into: Receiver | None = None,
                          first: int = 0) -> int:
         """Models with windowed layers, once ``found``'s run is final: reads the windowed layers of
         the blocks a continuation after the run reads (``KVGeometry.window_blocks``; the reader
-        holds every block before ``first`` itself), handing each to ``into`` as ``lookup`` does.
-        The last prompt token always runs, so a run over the whole prompt is continued from
-        ``prompt_tokens - 1``. When one of those values is missing or bad, the run ends before
-        that block and the blocks the shorter run needs are read: the run only ever shrinks, and
-        each value is read at most once. Sets ``found.window_from``; returns the run's length."""
+        holds every block before ``first`` itself) that ``lookup`` did not read already, handing
+        each to ``into`` as ``lookup`` does. The last prompt token always runs, so a run over the
+        whole prompt is continued from ``prompt_tokens - 1``. When one of those values is missing
+        or bad, the run ends before that block and the blocks the shorter run needs are read: the
+        run only ever shrinks, and each value is read at most once here. Sets ``found.window_from``;
+        returns the run's length."""
         geometry, n = self.geometry, found.hit_blocks
         if not geometry.window_layers:
             return n
-        present: set[int] = set()
-        read: set[int] = set()
+        read: set[int] = set()  # a value ``lookup`` missed may have come since (a lease wait extended the run)
         while n > first:
             needed = geometry.window_blocks(min(n * block_size, prompt_tokens - 1), block_size, first)
-            missing = [i for i in needed if i not in read]
+            missing = [i for i in needed if i not in found.window_present and i not in read]
             read.update(missing)
-            for i, block in self._read(found.hashes, missing, block_size, geometry.windowed, stop_at_miss=False):
-                present.add(i)
-                if into is None or into(i, block, geometry.windowed):
-                    found.windows.append((i, block))
-            absent = [i for i in needed if i not in present]
+            for i, _, block in self._read(found.hashes, [(i, geometry.windowed) for i in missing], block_size):
+                self._window_read(found, i, block, into)
+            absent = [i for i in needed if i not in found.window_present]
             if not absent:
                 found.window_from = needed.start
                 break
@@ -186,36 +203,40 @@ class PrefixStore:
         found.hit_blocks = max(n, first)
         return found.hit_blocks
 
-    def _read(self, hashes: Sequence[BlockHash], indices: Sequence[int], block_size: int, layers: slice,
-              stop_at_miss: bool) -> Iterator[tuple[int, np.ndarray]]:
-        """Blocks ``indices`` of one layer group in one batched read, each checked as it arrives:
-        yields (index, value) for each that passes; a value that fails is counted and deleted. With
-        ``stop_at_miss`` the first miss or failure ends the read."""
-        if not indices:
+    def _read(self, hashes: Sequence[BlockHash], requests: Sequence[tuple[int, slice]],
+              block_size: int) -> Iterator[tuple[int, slice, np.ndarray]]:
+        """Block ``i``'s value of the layer group ``layers`` for each request, in one batched read,
+        each checked as it arrives: yields (i, layers, value) for each that passes; a value that
+        fails is counted and deleted. The first miss or failure of the ``full`` group ends the read
+        (a run is used up to its first gap), not one of a windowed group."""
+        if not requests:
             return
-        full = layers == self.geometry.full
-        keys = [(block_key if full else window_block_key)(hashes[i]) for i in indices]
-        expected = Expected(ValueKind.PREFIX_BLOCK if full else ValueKind.WINDOW_BLOCK, b"", self.geometry.dtype,
-                            self.geometry.block_shape(block_size, layers), self.store.authenticated)
+        geometry = self.geometry
+        # Keyed by whether the layers are the full group (a slice is no dict key before Python 3.12).
+        expected = {full: Expected(ValueKind.PREFIX_BLOCK if full else ValueKind.WINDOW_BLOCK, b"", geometry.dtype,
+                                   geometry.block_shape(block_size, layers), self.store.authenticated)
+                    for full, layers in ((True, geometry.full), (False, geometry.windowed))}
+        keys = [(block_key if layers == geometry.full else window_block_key)(hashes[i]) for i, layers in requests]
         rejected = []
         values = self.store.iter_many(keys)
         try:
-            for i, key, value in zip(indices, keys, values, strict=False):
+            for (i, layers), key, value in zip(requests, keys, values, strict=False):
+                ends_run = layers == geometry.full
                 if value is None:
-                    if stop_at_miss:
+                    if ends_run:
                         break
                     continue
                 try:
-                    block = decode(value, replace(expected, owner=hashes[i]))
+                    block = decode(value, replace(expected[ends_run], owner=hashes[i]))
                 except CodecError as exc:
                     self.stats.count("rejected_values", exc.reason)
                     _rejected.warning("cache value %s rejected (%s); deleted, computing instead", key, exc)
                     rejected.append(key)
-                    if stop_at_miss:
+                    if ends_run:
                         break
                     continue
                 self.stats.add(bytes_read=len(value))
-                yield i, block
+                yield i, layers, block
         finally:
             values.close()  # hands the stream's connection back before the delete needs one
             if rejected:

@@ -69,14 +69,22 @@ def test_the_spec_reads_the_windows_from_the_graph(window_model, model_dirs):
 
 
 def test_a_warm_fetch_moves_the_full_layers_of_the_run_and_the_windowed_ones_of_its_last_window(replicas,
-                                                                                                 window_model):
+                                                                                                 window_model,
+                                                                                                 monkeypatch):
+    """In one batched read: the windowed values of the whole prompt's last window first, then the
+    run of the other layers."""
     cold, warm = replicas
     ids = prompt(9 * B + 6)  # 9 full blocks; a continuation at 144 reads positions 105..143: blocks 6-8
     want_ids, want_logits = recomputed(window_model, ids, 8)
     cold_ids, cold_logits, cold_last = run(cold, ids)
     assert cold_ids == want_ids and cold_last.usage.cached_prompt_tokens == 0
     before = warm.cache_stats.bytes_read
+    reads, iter_many = [], warm.prefix.store.iter_many
+    monkeypatch.setattr(warm.prefix.store, "iter_many", lambda keys: reads.append(list(keys)) or iter_many(keys))
     warm_ids, warm_logits, warm_last = run(warm, ids)
+    (keys,) = reads
+    hashes = warm.prefix.hashes(warm.namespace(""), ids)
+    assert keys == [window_block_key(h) for h in hashes[6:]] + [block_key(h) for h in hashes]
     assert warm_last.usage.cached_prompt_tokens == 9 * B and warm_ids == want_ids
     record_margin("windowed warm vs full recompute (tiny-window)", want_logits[0])
     assert max(np.max(np.abs(a - b)) for a, b in zip(warm_logits, want_logits)) <= TOLERANCE
