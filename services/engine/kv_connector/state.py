@@ -92,7 +92,9 @@ class SequenceKV:
     assembled before it is done."""
     published_blocks: int = 0
     """Prompt blocks in the store or on their way there (found, published, or held by the row
-    they were copied from): each chunk publishes the full blocks past these."""
+    they were copied from), or never to be published by this row (copied from a row whose
+    windowed layers lack some of them: ``KVConnectorWorker.share``): each chunk publishes the
+    full blocks past these."""
     awaiting: bool = False
     """Its fetch waits in the store for blocks another worker computes (``run_waits``); the
     worker's other rows that lack the same blocks wait for this row instead of the store."""

@@ -101,7 +101,10 @@ class KVConnectorWorker:
         many tokens came."""
         slots.share(row.slot, seq.slot, tokens)
         seq.kv.window_floor = max(seq.kv.window_floor, row.kv.window_floor)
-        if row.kv.publishes_prompt:  # the row (or the store) has those blocks published
+        # The row (or the store) has those blocks published; or the row's windowed layers hold
+        # K/V only over its last window (it fetched them so), and the copy carries what its row
+        # held before that: this row would store it as this prompt's K/V. Never published, then.
+        if row.kv.publishes_prompt or row.kv.window_floor:
             seq.kv.published_blocks = max(seq.kv.published_blocks, tokens // seq.kv.namespace.block_size)
         return self._copied(seq, tokens, began)
 
