@@ -259,14 +259,17 @@ def test_signed_window_values_cannot_be_moved_to_another_block(window_model, red
         warm.close()
 
 
-def test_without_the_window_fetch_every_block_is_one_value_of_every_layer(window_model, redis_url):
+def test_without_the_window_fetch_every_block_is_one_value_of_every_layer(window_model, redis_url, caplog):
     """``--window-fetch false``: blocks as for any model (all layers, in the slots' grouped order,
     which the namespace names), never read by a worker that splits them."""
     def plain():
         return Engine.load(window_model, EngineOptions(block_size=B, cache_dtype="float32", window_fetch=False),
                            open_store(redis_url, StoreOptions(), CacheStats()), CacheStats(), "cpu", 2)
 
-    cold, warm, split = plain(), plain(), make_engine(window_model, redis_url)
+    with caplog.at_level("INFO", logger="services.engine.engine"):
+        cold, warm, split = plain(), plain(), make_engine(window_model, redis_url)
+    assert "layers 0,1 read the last 40 positions" in caplog.text
+    assert "stored and fetched with the other layers, for every cached position (--window-fetch false" in caplog.text
     try:
         ids = prompt(9 * B + 6, seed=9)
         run(cold, ids, n=2)

