@@ -89,9 +89,12 @@ class KVGeometry:
         positions before its own. 0 when every position is held."""
         return window_from * block_size + self.window - 1 if window_from and self.window_layers else 0
 
-    def window_blocks(self, cached: int, block_size: int, first: int = 0) -> range:
-        """The blocks whose windowed layers a continuation after ``cached`` tokens reads: those
-        holding positions ``cached - window + 1 .. cached - 1``, none before block ``first``."""
+    def window_blocks(self, run: int, block_size: int, prompt_tokens: int, first: int = 0) -> range:
+        """The blocks whose windowed layers a prompt of ``prompt_tokens`` tokens reads when its
+        first ``run`` blocks are cached: it continues from c = min(run x block, prompt - 1) (the
+        last prompt token always runs), so those holding positions ``c - window + 1 .. c - 1``,
+        none before block ``first``."""
+        cached = min(run * block_size, prompt_tokens - 1)
         return range(max(first, (cached - self.window + 1) // block_size), -(-cached // block_size))
 
 
@@ -143,8 +146,7 @@ class PrefixStore:
         round trip, not two, whatever the run's length."""
         found = PrefixLookup(hashes=self.hashes(namespace, token_ids), blocks=[])
         size, geometry = namespace.block_size, self.geometry
-        ahead = (geometry.window_blocks(min(len(found.hashes) * size, len(token_ids) - 1), size)
-                 if geometry.window_layers else range(0))
+        ahead = geometry.window_blocks(len(found.hashes), size, len(token_ids)) if geometry.window_layers else ()
         hits = self.extend(found, size, into, windows_ahead=ahead)
         self.stats.add(block_hits=hits, block_misses=len(found.hashes) - hits)
         return found
@@ -179,8 +181,7 @@ class PrefixStore:
         """Models with windowed layers, once ``found``'s run is final: reads the windowed layers of
         the blocks a continuation after the run reads (``KVGeometry.window_blocks``; the reader
         holds every block before ``first`` itself) that ``lookup`` did not read already, handing
-        each to ``into`` as ``lookup`` does. The last prompt token always runs, so a run over the
-        whole prompt is continued from ``prompt_tokens - 1``. When one of those values is missing
+        each to ``into`` as ``lookup`` does. When one of those values is missing
         or bad, the run ends before that block and the blocks the shorter run needs are read: the
         run only ever shrinks, and each value is read at most once here. Sets ``found.window_from``;
         returns the run's length."""
@@ -189,7 +190,7 @@ class PrefixStore:
             return n
         read: set[int] = set()  # a value ``lookup`` missed may have come since (a lease wait extended the run)
         while n > first:
-            needed = geometry.window_blocks(min(n * block_size, prompt_tokens - 1), block_size, first)
+            needed = geometry.window_blocks(n, block_size, prompt_tokens, first)
             missing = [i for i in needed if i not in found.window_present and i not in read]
             read.update(missing)
             for i, _, block in self._read(found.hashes, [(i, geometry.windowed) for i in missing], block_size):

@@ -267,10 +267,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             chat_template=self._engine.inputs.chat_template is not None,
             audio_input=self._engine.spec.audio is not None,
             layer_groups=[pb.LayerGroup(layers=group.layers, window=group.window,
-                                        kv_bytes_per_token=len(group.layers) * spec.layer_bytes_per_token(
-                                            session.kv_dtype.itemsize),
-                                        cached_bytes_per_token=len(group.layers) * spec.layer_bytes_per_token(
-                                            self._engine.storage_dtype.itemsize),
+                                        kv_bytes_per_token=spec.kv_bytes_per_token(session.kv_dtype.itemsize,
+                                                                                   len(group.layers)),
+                                        cached_bytes_per_token=spec.kv_bytes_per_token(
+                                            self._engine.storage_dtype.itemsize, len(group.layers)),
                                         fetched_over_window=group.window > 0 and self._engine.prefix.geometry.window > 0)
                           for group in spec.layer_groups],
         )

@@ -215,8 +215,8 @@ class Engine:
                          "(--window-fetch false, or slots that keep each row apart, or a window under one block)")
             log.info("layers %s read %s: %d bytes per token in the slots (every position is kept), %d bytes per "
                      "cached token in the store%s", ",".join(map(str, group.layers)), span,
-                     layers * spec.layer_bytes_per_token(self.session.kv_dtype.itemsize),
-                     layers * spec.layer_bytes_per_token(self.storage_dtype.itemsize), fetch)
+                     spec.kv_bytes_per_token(self.session.kv_dtype.itemsize, layers),
+                     spec.kv_bytes_per_token(self.storage_dtype.itemsize, layers), fetch)
 
     @property
     def slot_bytes(self) -> int:

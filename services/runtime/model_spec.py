@@ -99,13 +99,10 @@ class ModelSpec:
     """The self-attention layers that see only the last ``windows.window`` positions (read from the
     graph: ``layer_windows``); a continuation needs only that much of their cached K/V."""
 
-    def kv_bytes_per_token(self, element_size: int) -> int:
-        """Self-attention K/V bytes one token occupies: 2 x layers x kv_heads x head_size x element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_size
-
-    def layer_bytes_per_token(self, element_size: int) -> int:
-        """One layer's share of ``kv_bytes_per_token``: 2 x kv_heads x head_size x element."""
-        return 2 * self.num_kv_heads * self.head_size * element_size
+    def kv_bytes_per_token(self, element_size: int, layers: int | None = None) -> int:
+        """Self-attention K/V bytes one token occupies in ``layers`` layers (default: all of them):
+        2 x layers x kv_heads x head_size x element."""
+        return 2 * (self.num_layers if layers is None else layers) * self.num_kv_heads * self.head_size * element_size
 
     @property
     def layer_groups(self) -> tuple[LayerGroup, ...]:

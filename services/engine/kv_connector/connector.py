@@ -81,7 +81,7 @@ class KVConnector:
         # only a window's worth, which the estimate leaves out (``FetchPolicy.token_bytes``).
         full_layers = spec.num_layers - self.geometry.window_layers
         fetch_policy = FetchPolicy(options.prefix_fetch, on_device, pace, StoreRate(),
-                                   full_layers * spec.layer_bytes_per_token(storage_dtype.itemsize), options.block_size)
+                                   spec.kv_bytes_per_token(storage_dtype.itemsize, full_layers), options.block_size)
         self.scheduler_side = KVConnectorScheduler(
             self.prefix, cross, (spec.num_layers, cross_heads, spec.head_size), store, cache_stats, leases,
             options.chunk_tokens, pace, self.waits, self.writes, fetch_policy, self.encodes)
