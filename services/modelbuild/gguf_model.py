@@ -145,7 +145,8 @@ def _read(path: Path) -> GGUFModel:
         bos_token_id=int(fields.get("tokenizer.ggml.bos_token_id")), eos_token_id=eos,
         pad_token_id=int(fields.get("tokenizer.ggml.padding_token_id", eos)),
         unknown_token_id=int(unknown) if unknown is not None else None,
-        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+        # llama.cpp's default where the file says nothing: SentencePiece vocabularies put BOS first.
+        add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", tokenizer_model == "llama")),
         add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
         chat_template=str(template) if template is not None else None,
     )

@@ -31,7 +31,6 @@ here they read as their text. Gemma 3 has none.)
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -84,24 +83,6 @@ class SpmVocabulary:
     add_space_prefix: bool
     """``tokenizer.ggml.add_space_prefix`` (only False is supported)."""
     chat_template: str | None = None
-
-    @classmethod
-    def from_fields(cls, field: Callable[[str, object], object]) -> SpmVocabulary:
-        """From a GGUF's fields, ``field(key, default)`` giving a field's value (``default`` when
-        absent); absent ones take llama.cpp's defaults for a SentencePiece vocabulary."""
-        eos = int(field("tokenizer.ggml.eos_token_id", 2))
-        template = field("tokenizer.chat_template", None)
-        return cls(
-            tokens=[str(t) for t in field("tokenizer.ggml.tokens", None)],
-            scores=[float(s) for s in field("tokenizer.ggml.scores", None)],
-            token_types=[int(t) for t in field("tokenizer.ggml.token_type", None)],
-            bos_token_id=int(field("tokenizer.ggml.bos_token_id", 1)), eos_token_id=eos,
-            unk_token_id=int(field("tokenizer.ggml.unknown_token_id", 0)),
-            pad_token_id=int(field("tokenizer.ggml.padding_token_id", eos)),
-            add_bos_token=bool(field("tokenizer.ggml.add_bos_token", True)),
-            add_space_prefix=bool(field("tokenizer.ggml.add_space_prefix", True)),
-            chat_template=str(template) if template is not None else None,
-        )
 
 
 def end_of_generation_ids(vocab: SpmVocabulary) -> list[int]:
