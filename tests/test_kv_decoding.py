@@ -38,22 +38,36 @@ def test_cached_decoding_matches_full_recompute(model_dirs, preset, layout):
     assert worst <= TOLERANCE, f"max |logit diff| {worst:.2e}"
 
 
-SPIN_KEY = "session.intra_op.allow_spinning"
-
-
-@pytest.mark.parametrize("spinning", [False, True])
-def test_onnx_runtime_threads_spin_only_when_asked(tiny_model, spinning):
-    """Replicas, Redis and other pods share a node's cores: an idle thread spin-waiting for the
-    next parallel section holds a core another process needs, so the worker's threads sleep unless
-    --intra-op-spinning says the cores are its own. ONNX Runtime takes the setting from a map of
-    strings and ignores a key it does not read (a misspelt key, or one a release renamed, is
-    accepted without a word, and its threads spin, ONNX Runtime's default): reading back what the
-    session was given proves only the wiring, so the key must also be one this ONNX Runtime looks
-    up, i.e. a string compiled into its library."""
-    session = DecoderSession(load_model_spec(tiny_model), "cpu", intra_op_threads=2, intra_op_spinning=spinning)
+@pytest.mark.parametrize("policy, allow, stop", [("in-run", "1", "1"), ("always", "1", "0"), ("never", "0", "0")])
+def test_onnx_runtime_threads_spin_as_the_policy_says(tiny_model, policy, allow, stop):
+    """Replicas, Redis and other pods share a node's cores: an idle thread spin-waiting holds a
+    core another process needs, so by default (in-run) the worker's threads spin only while a run
+    is in flight and stop when it returns. ONNX Runtime takes the settings from a map of strings
+    and ignores a key it does not read (a misspelt key, or one a release renamed, is accepted
+    without a word, and its threads spin, ONNX Runtime's default): reading back what the session
+    was given proves only the wiring, so each key must also be one this ONNX Runtime looks up,
+    i.e. a string compiled into its library."""
+    session = DecoderSession(load_model_spec(tiny_model), "cpu", intra_op_threads=2, intra_op_spinning=policy)
     options = session._session.get_session_options()
-    assert options.get_session_config_entry(SPIN_KEY) == ("1" if spinning else "0")
+    expected = {"session.intra_op.allow_spinning": allow, "session.force_spinning_stop": stop}
+    assert {key: options.get_session_config_entry(key) for key in expected} == expected
     libraries = list((Path(onnxruntime.__file__).parent / "capi").glob("libonnxruntime.so*"))
     assert libraries, "ONNX Runtime's library not found next to its Python package"
-    assert any(SPIN_KEY.encode() + b"\0" in library.read_bytes() for library in libraries), (
-        f"ONNX Runtime {onnxruntime.__version__} does not read {SPIN_KEY}: the setting would be ignored")
+    for key in expected:
+        assert any(key.encode() + b"\0" in library.read_bytes() for library in libraries), (
+            f"ONNX Runtime {onnxruntime.__version__} does not read {key}: the setting would be ignored")
+
+
+def test_intra_op_threads_follow_the_cpus_the_process_may_use():
+    """0 (the default) is ONNX Runtime's choice, one per physical core of the machine, unless the
+    process may use fewer CPUs: a cgroup quota (a Kubernetes CPU limit) of 1.5 CPUs gives 2 threads
+    where the machine has more cores; a configured count is kept."""
+    import os
+
+    from services.runtime.threads import intra_op_threads
+
+    usable = len(os.sched_getaffinity(0))
+    assert intra_op_threads(3, limit=1.0) == 3
+    assert intra_op_threads(0, limit=1.5) == (min(2, usable) if min(2, usable) < os.cpu_count() else 0)
+    assert intra_op_threads(0, limit=0.2) == (1 if os.cpu_count() > 1 else 0)
+    assert intra_op_threads(0, limit=float(os.cpu_count() + 8)) == (usable if usable < os.cpu_count() else 0)

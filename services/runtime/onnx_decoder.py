@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from services.errors import ModelLoadError
+from services.runtime import threads
 from services.runtime.device_arrays import ArrayDevice, aligned_zeros, open_device
 from services.runtime.device_choice import DeviceChoice
 from services.runtime.kv_cast import cast_into, converted
@@ -71,19 +72,18 @@ def blocks_into(dest: np.ndarray, blocks: Sequence[np.ndarray], tokens: int) -> 
 
 
 def open_session(path: Path, device: ArrayDevice, intra_op_threads: int,
-                 intra_op_spinning: bool = False) -> ort.InferenceSession:
+                 intra_op_spinning: str = "in-run") -> ort.InferenceSession:
     """An ONNX Runtime session on ``device``'s provider; raises ModelLoadError.
 
-    ``intra_op_spinning`` False (the worker's default, ONNX Runtime's is True): idle intra-op
-    threads sleep instead of spin-waiting for the next parallel section. Spinning saves a wake-up
-    per section on cores the process owns; where replicas, Redis or other pods share the cores, a
-    spinning thread holds a core another process needs (docs/benchmarks.md, ``bench.burst``).
+    ``intra_op_threads`` and ``intra_op_spinning``: as ``threads.intra_op_threads`` and
+    ``threads.SPINNING`` say.
 
     On a device, where each node runs is recorded and checked (``placement.check_placement``):
     a graph whose compute would run on the CPU is refused, never split silently across devices."""
     options = ort.SessionOptions()
-    options.intra_op_num_threads = intra_op_threads
-    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if intra_op_spinning else "0")
+    options.intra_op_num_threads = threads.intra_op_threads(intra_op_threads)
+    for key, value in threads.spin_config(intra_op_spinning).items():
+        options.add_session_config_entry(key, value)
     options.log_severity_level = 3
     on_device = device.kind != "cpu"
     if on_device:
@@ -131,7 +131,7 @@ class DecoderSession:
     """Runs a decoder on token ids after a cached past; knows nothing of requests or the network."""
 
     def __init__(self, spec: ModelSpec, device: str | ArrayDevice = "auto", intra_op_threads: int = 0,
-                 intra_op_spinning: bool = False) -> None:
+                 intra_op_spinning: str = "in-run") -> None:
         """``device``: the arrays the slots live in (``device_arrays``), or a ``--device`` text."""
         self.spec = spec
         self.device = open_device(DeviceChoice.parse(device)) if isinstance(device, str) else device
