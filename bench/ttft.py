@@ -9,6 +9,9 @@ With ``--model`` a folder with a chat template (e.g. SmolLM2 from `kvshare fetch
 a row for the demo's case: the demo's support manual as system message, a different question on
 each replica (a fresh first line per run, so that each cold run is cold).
 
+A last table compares a fresh replica's first warm request with its later ones: two new workers
+per fleet, B's first request ever fetching a prefix A computed.
+
     .venv/bin/python -m bench.ttft [--smoke] [--model DIR] [--plot PATH] [--cache-dtype float32|float16|bfloat16]
 """
 
@@ -32,12 +35,14 @@ from bench.fleet import (
     warm,
     warm_up,
 )
-from cachestore.storage_dtype import DEFAULT, STORAGE_DTYPES
+from cachestore.storage_dtype import CHOICES, DEFAULT
 from kvshare.v1 import generator_pb2 as pb
 from services.local.demo import QUESTIONS, system_prompt
 from services.runtime.chat_template import load_chat_template
 
 DEFAULT_PLOT = Path(__file__).resolve().parent.parent / "docs" / "ttft.png"
+FIRST_WARM_TOKENS = 1216
+"""The demo's shared system prompt, in SmolLM2 tokens: the case of a new user's first warm request."""
 
 
 def demo_manual_row(f: Fleet, runs: int) -> tuple:
@@ -58,6 +63,28 @@ def demo_manual_row(f: Fleet, runs: int) -> tuple:
         warm_ms.append(w.timings.time_to_first_token_ms)
         fetch_ms.append(w.timings.cache_fetch_ms)
     return shared, median(cold_ms), median(warm_ms), median(fetch_ms), median(warm_ms) / median(cold_ms)
+
+
+def first_warm_rows(model, rng: np.random.Generator, extra_args: tuple[str, ...], length: int, fleets: int,
+                    steady: int) -> list[tuple]:
+    """A fresh replica's first warm request against its later ones: per fleet (two new workers),
+    worker A computes a ``length``-token prefix and B, which has served nothing yet, fetches it;
+    then ``steady`` more prefixes the same way. Rows (which, TTFT ms, fetch ms) of the medians."""
+    first_ttft, first_fetch, steady_ttft, steady_fetch = [], [], [], []
+    for _ in range(fleets):
+        with fleet(model, extra_args=extra_args) as f:
+            a, b = f.stubs
+            warm_up([a], model.random_ids(rng, length + QUESTION_TOKENS))
+            for i in range(1 + steady):
+                prefix = model.random_ids(rng, length)
+                cold(f, a, prefix + model.random_ids(rng, QUESTION_TOKENS))
+                w = warm(f, b, prefix + model.random_ids(rng, QUESTION_TOKENS), length // f.block_size * f.block_size)
+                ttft, fetch = (first_ttft, first_fetch) if i == 0 else (steady_ttft, steady_fetch)
+                ttft.append(w.timings.time_to_first_token_ms)
+                fetch.append(w.timings.cache_fetch_ms)
+    return [("first warm (a fresh replica's first request)", median(first_ttft), median(first_fetch)),
+            ("warm (its later ones)", median(steady_ttft), median(steady_fetch)),
+            ("first / later", median(first_ttft) / median(steady_ttft), median(first_fetch) / median(steady_fetch))]
 
 
 def plot(rows: list[tuple], path: Path, title: str) -> None:
@@ -86,7 +113,7 @@ def plot(rows: list[tuple], path: Path, title: str) -> None:
 def main() -> int:
     def options(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--plot", type=Path, default=None)
-        parser.add_argument("--cache-dtype", choices=list(STORAGE_DTYPES), default=DEFAULT,
+        parser.add_argument("--cache-dtype", choices=list(CHOICES), default=DEFAULT,
                             help="the workers' --cache-dtype (default: the worker's default)")
 
     args = parse_args(__doc__.splitlines()[0], options)
@@ -116,6 +143,10 @@ def main() -> int:
     print_table(title, ("prefix tokens", "cold TTFT ms", "warm TTFT ms", "warm fetch ms", "warm/cold"), table)
     plot(rows, args.plot or DEFAULT_PLOT, title)
     print(f"\nplot: {args.plot or DEFAULT_PLOT}")
+    length, fleets, steady = (128, 1, 1) if args.smoke else (FIRST_WARM_TOKENS, 3, 3)
+    first = first_warm_rows(model, rng, ("--cache-dtype", args.cache_dtype), length, fleets, steady)
+    print_table(f"a fresh replica: {length}-token prefix + {QUESTION_TOKENS}-token question, {fleets} fleets of two new "
+                f"workers, {steady} later requests each; medians", ("request", "TTFT ms", "fetch ms"), first)
     return 0
 
 

@@ -7,7 +7,10 @@ each other's values, and the codec refuses a value whose dtype code is not the o
 
 Choices (``--cache-dtype``), measured in docs/benchmarks.md ("Storage dtype"):
 
-- ``float16`` (default): an 11-bit significand (relative rounding error at most 2^-11) over a
+- ``auto`` (default): ``float32`` for a model whose matmuls round their activations to 8 bits,
+  ``float16`` for the others. The model decides, so the engine resolves it (``resolve``); the
+  store only ever sees one of the three below.
+- ``float16``: an 11-bit significand (relative rounding error at most 2^-11) over a
   range up to 65504, which the codec enforces for every dtype anyway; 2 bytes. Greedy answers
   over it equalled computing on every measured prompt of the bench model and SmolLM2.
 - ``bfloat16``: float32's exponent range with an 8-bit significand (relative error at most 2^-8);
@@ -29,11 +32,24 @@ STORAGE_DTYPES: dict[str, np.dtype] = {
     "float16": np.dtype(np.float16),
     "bfloat16": BFLOAT16,
 }
-DEFAULT = "float16"
+AUTO = "auto"
+DEFAULT = AUTO
+CHOICES = (AUTO, *STORAGE_DTYPES)
+"""``--cache-dtype``'s values."""
+
+
+def resolve(name: str, quantized_activations: bool) -> str:
+    """``--cache-dtype`` ``name`` for a model whose matmuls do (or do not) round activations to
+    8 bits: ``auto`` becomes float32 for them (their next activations turn float16's rounding of
+    K/V into whole quantization steps: warm answers would drift from cold ones) and float16 for
+    the others; any other name stays."""
+    if name != AUTO:
+        return name
+    return "float32" if quantized_activations else "float16"
 
 
 def storage_dtype(name: str) -> np.dtype:
-    """The dtype named by ``--cache-dtype``."""
+    """The dtype named by ``--cache-dtype`` (resolved: not ``auto``)."""
     try:
         return STORAGE_DTYPES[name]
     except KeyError:

@@ -21,7 +21,7 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from services.api.config import Settings  # noqa: E402
 from services.connection import add_connection_flags  # noqa: E402
-from services.modelbuild.presets import DECODER_PRESETS, MODEL_DTYPES  # noqa: E402
+from services.modelbuild.presets import DECODER_PRESETS, GGUF_WEIGHTS, MODEL_DTYPES  # noqa: E402
 from services.runtime.kv_layout import KVLayout  # noqa: E402
 from services.serving.flags import add_settings_flags, settings_from  # noqa: E402
 
@@ -340,9 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--seed", type=int, default=0, help="weight seed: the same seed writes the same bytes")
     build.add_argument("--from-gguf", type=Path, default=None, metavar="FILE",
                        help="convert this Llama or Gemma 3 GGUF (llama.cpp's format) instead: real weights")
-    build.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
-                       help="with --from-gguf: fp32, or int8 (MatMulNBits, 1.3x faster decode on CPU but it changed "
-                            "SmolLM2's answers; see the README)")
+    build.add_argument("--weights", choices=GGUF_WEIGHTS, default="fp32",
+                       help="with --from-gguf: fp32 (dequantized), gguf (the file's own Q4_0/Q4_1/Q8_0 blocks as "
+                            "MatMulNBits, other block types dequantized), or int8 (re-quantized to 8 bits; it changed "
+                            "SmolLM2's answers); see the README")
     build.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="element type of the weights, activations, K/V and logits (bfloat16: float32 logits), "
                             "as ONNX Runtime GenAI's fp16/bf16 models; with --weights int8, of everything but the "
@@ -360,8 +361,10 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("name", choices=sorted(CATALOGUE), help="; ".join(f"{k}: {v.description}" for k, v in CATALOGUE.items()))
     fetch.add_argument("out_dir", type=Path, nargs="?", default=None,
                        help="folder to write (unset: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
-    fetch.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
-                       help="matmul weights of the folder (int8: faster, less exact; see the README; GGUF models only)")
+    fetch.add_argument("--weights", choices=GGUF_WEIGHTS, default=None,
+                       help="matmul weights of the folder (GGUF models only): gguf (the file's own quantized blocks), "
+                            "fp32 (dequantized) or int8 (re-quantized, less exact); unset: the model's default, "
+                            "which fetch-model names (gguf for SmolLM2 with --dtype float32, else fp32); see the README")
     fetch.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="element type of the folder (as build-model's --dtype): float16 for --device cuda, "
                             "whose attention has no float32 kernel")

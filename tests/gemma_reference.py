@@ -65,10 +65,11 @@ def tiny_tensors(shape: TinyGemma, seed: int) -> dict[str, np.ndarray]:
 
 
 def write_tiny_gguf(path: Path, shape: TinyGemma, tensors: dict[str, np.ndarray],
-                    extra: dict[str, float] | None = None) -> Path:
+                    extra: dict[str, float] | None = None, types: dict[str, str] | None = None) -> Path:
     """A ``gemma3`` GGUF with the keys llama.cpp's converter writes for Gemma 3 (no
     ``rope.freq_base_swa``, no ``sliding_window_pattern``: llama.cpp's defaults apply), and the
-    float32 keys ``extra``."""
+    float32 keys ``extra``. ``types``: tensor name -> GGUF block type (``Q4_1``) it is quantized
+    to with gguf's own quantizer; the others stay float32."""
     from gguf import GGUFWriter, TokenType
 
     w = GGUFWriter(str(path), "gemma3")
@@ -95,8 +96,15 @@ def write_tiny_gguf(path: Path, shape: TinyGemma, tensors: dict[str, np.ndarray]
     w.add_add_space_prefix(False)
     for key, value in (extra or {}).items():
         w.add_float32(key, value)
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     for name, values in tensors.items():
-        w.add_tensor(name, values)
+        kind = (types or {}).get(name)
+        if kind is None:
+            w.add_tensor(name, values)
+        else:
+            w.add_tensor(name, quantize(values, GGMLQuantizationType[kind]), raw_dtype=GGMLQuantizationType[kind])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -25,7 +25,13 @@ from cachestore.memory import MemoryStore
 from cachestore.signed import SignedStore
 from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
-from cachestore.storage_dtype import BFLOAT16, DEFAULT, STORAGE_DTYPES, storage_dtype
+from cachestore.storage_dtype import (
+    BFLOAT16,
+    DEFAULT,
+    STORAGE_DTYPES,
+    resolve,
+    storage_dtype,
+)
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import GenerationRequest
 
@@ -93,8 +99,13 @@ def test_the_two_byte_range_check_finds_the_largest_magnitude_of_any_bit_pattern
             assert _largest_magnitude_bits(bits.view(np.float16)) == int((bits & 0x7FFF).max())
 
 
-def test_the_default_is_float16_and_unknown_names_are_refused():
-    assert EngineOptions().cache_dtype == DEFAULT == "float16" and storage_dtype(DEFAULT) == np.float16
+def test_the_default_is_auto_and_unknown_names_are_refused():
+    """auto: float16 for float models, float32 where the matmuls quantize activations (their warm
+    answers would drift from cold ones over float16 K/V: tests/test_real_model.py)."""
+    assert EngineOptions().cache_dtype == DEFAULT == "auto"
+    assert resolve(DEFAULT, quantized_activations=False) == "float16" and storage_dtype("float16") == np.float16
+    assert resolve(DEFAULT, quantized_activations=True) == "float32"
+    assert resolve("bfloat16", quantized_activations=True) == "bfloat16"
     with pytest.raises(ValueError, match="bfloat16"):
         storage_dtype("int8")
 

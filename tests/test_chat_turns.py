@@ -6,7 +6,12 @@ not fed back). Turn 2 of a chat sends [system, user, assistant = turn 1's text, 
 chat template, so its prompt starts with turn 1's prompt and answer, and a replica that never saw
 turn 1 finds those blocks in Redis.
 
-Real redis-server, two real `kvshare serve` processes on the SmolLM2 folder, real gRPC, blocks of
+That holds for models with float activations (the SmolLM2 fp32 folder here). A model whose
+matmuls quantize their activations (the default gguf folder) publishes no answer: its decoded K/V
+differs from a prefill's by more than rounding, so the next turn computes the answer's tokens and
+answers exactly as a cold request.
+
+Real redis-server, two real `kvshare serve` processes on the SmolLM2 folders, real gRPC, blocks of
 16 tokens. Expected counts are computed from the Tokenize RPC, never guessed. Publishes are awaited
 by counting keys in Redis; the one negative check (nothing published) is ordered by a later publish
 on the same single write thread, so nothing waits on the clock.
@@ -87,8 +92,8 @@ def generate(stub, messages, max_new_tokens: int, **cache) -> tuple[list[int], s
     return ids, "".join(text), last, tops
 
 
-def test_turn_two_on_another_replica_reuses_turn_ones_answer(smollm2, redis_server, redis_url):
-    with replicas(smollm2, redis_url) as (a, b), redis_server.client() as client:
+def test_turn_two_on_another_replica_reuses_turn_ones_answer(smollm2_fp32, redis_server, redis_url):
+    with replicas(smollm2_fp32, redis_url) as (a, b), redis_server.client() as client:
         turn1 = chat(("system", SYSTEM), ("user", QUESTION))
         prompt1 = ids_of(a, turn1)
         answer, text, last, _ = generate(a, turn1, 48)
@@ -124,8 +129,8 @@ def test_turn_two_on_another_replica_reuses_turn_ones_answer(smollm2, redis_serv
                       "replica B's turn-2 blocks")
 
 
-def test_skip_write_on_turn_one_publishes_nothing_of_the_answer(smollm2, redis_server, redis_url):
-    with replicas(smollm2, redis_url) as (a, b), redis_server.client() as client:
+def test_skip_write_on_turn_one_publishes_nothing_of_the_answer(smollm2_fp32, redis_server, redis_url):
+    with replicas(smollm2_fp32, redis_url) as (a, b), redis_server.client() as client:
         turn1 = chat(("system", SYSTEM), ("user", QUESTION))
         prompt1 = ids_of(a, turn1)
         # Another request publishes turn 1's prompt (one token generated: no answer blocks).
@@ -146,3 +151,28 @@ def test_skip_write_on_turn_one_publishes_nothing_of_the_answer(smollm2, redis_s
         turn2 = chat(("system", SYSTEM), ("user", QUESTION), ("assistant", text), ("user", FOLLOW_UP))
         done = complete(b, pb.GenerateRequest(messages=turn2, max_new_tokens=1), TIMEOUT_S)
         assert done.last.usage.cached_prompt_tokens == len(prompt1) // B * B
+
+
+def test_a_model_that_quantizes_activations_publishes_no_answer_and_turn_two_equals_cold(smollm2, redis_server,
+                                                                                         redis_url):
+    """The default folder (int8 activations): turn 1's answer is not published, so turn 2 on the
+    other replica reads turn 1's prompt blocks only and computes the rest: the same tokens as a
+    cold request (which differed at token 5, a 0.04 margin, when the decoded blocks were reused)."""
+    with replicas(smollm2, redis_url) as (a, b), redis_server.client() as client:
+        turn1 = chat(("system", SYSTEM), ("user", QUESTION))
+        prompt1 = ids_of(a, turn1)
+        answer, text, last, _ = generate(a, turn1, 48)
+        assert last.usage.cached_prompt_tokens == 0
+        assert (len(prompt1) + len(answer) - 1) // B > len(prompt1) // B, "the answer would fill a block"
+        # Ordered after turn 1 on A's single write thread (see the test above).
+        sentinel = complete(a, pb.GenerateRequest(messages=turn1, max_new_tokens=1, cache=pb.CacheOptions(salt="x")),
+                            TIMEOUT_S)
+        assert sentinel.last.usage.cached_prompt_tokens == 0
+        wait_for_keys(client, 2 * (len(prompt1) // B), "turn 1's prompt and the sentinel's blocks, no answer")
+
+        turn2 = chat(("system", SYSTEM), ("user", QUESTION), ("assistant", text), ("user", FOLLOW_UP))
+        warm_ids, _, warm_last, _ = generate(b, turn2, 32)
+        assert warm_last.usage.cached_prompt_tokens == len(prompt1) // B * B
+        cold_ids, _, cold_last, _ = generate(b, turn2, 32, skip_read=True, skip_write=True)
+        assert cold_last.usage.cached_prompt_tokens == 0
+        assert warm_ids == cold_ids

@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from cachestore.storage_dtype import CHOICES as CACHE_DTYPES
 from cachestore.storage_dtype import DEFAULT as DEFAULT_CACHE_DTYPE
-from cachestore.storage_dtype import STORAGE_DTYPES
 from services.runtime.device_choice import DeviceChoice
+from services.runtime.threads import SPINNING
 from services.serving.flags import FlagSettings
 
 ENV_PREFIX = "KVSHARE_"
@@ -56,8 +57,8 @@ class Settings(FlagSettings):
     breaker_backoff_ms: float = field(default=1000.0, metadata={"help": "First pause before the breaker probes the store again (doubles per failed probe)."})
     breaker_max_backoff_ms: float = field(default=30000.0, metadata={"help": "Longest pause between probes of a failing store."})
     device: str = field(default="auto", metadata={"help": "Where the model runs and its K/V slots live: cpu, cuda or cuda:N (a CUDA device; one that cannot be used stops the worker at start, exit 2, never a silent fallback), or auto (CUDA device 0 when onnxruntime-gpu, CuPy and a GPU can be used, else the CPU; the start-up log says which)."})
-    intra_op_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads per run; 0 lets ONNX Runtime choose (one per physical core)."})
-    intra_op_spinning: bool = field(default=False, metadata={"help": "ONNX Runtime's idle threads spin-wait for the next parallel section instead of sleeping: for a host whose cores the worker owns (one stream decoded about 4 per cent faster here, side by side). Off by default: replicas, Redis or other pods sharing the cores lose them to spinning threads (a burst over 2 replicas on 2 vCPUs: p99 TTFT 1.57-1.70 of cold spinning, 1.27-1.53 sleeping)."})
+    intra_op_threads: int = field(default=0, metadata={"help": "ONNX Runtime threads per run; 0 lets ONNX Runtime choose (one per physical core), or, where this process may use fewer CPUs than the machine has (its affinity, or a cgroup CPU quota such as a Kubernetes CPU limit, rounded up), one per usable CPU."})
+    intra_op_spinning: str = field(default="in-run", metadata={"help": "When ONNX Runtime's idle intra-op threads spin-wait for the next parallel section instead of sleeping: in-run (within a model run; they sleep as soon as it returns, between steps, while the worker samples, sends and other processes run), always (ONNX Runtime's default: also for a while after each run) or never. in-run decoded one SmolLM2 stream 16 per cent faster than never here, as fast as always, without holding cores between steps.", "choices": list(SPINNING)})
     max_batch: int = field(default=0, metadata={"min": 0, "help": "Sequences holding a slot at once (rows of the batched decode step; graphs without a shared GQA past/present buffer and encoder-decoders run each row batch 1); 0 derives it from --kv-cache-bytes (1 to 64)."})
     kv_cache_bytes: int = field(default=0, metadata={"min": 0, "help": "K/V memory for the slots when --max-batch is 0: each slot can hold a whole context. 0: 2 GiB on the CPU; on CUDA 45 per cent of the device's free memory at start (CuPy's pool gets half of it, ONNX Runtime's arena 40 per cent for weights and activations)."})
     max_queued: int = field(default=128, metadata={"min": 0, "help": "Requests waiting for a slot; past this a new call gets RESOURCE_EXHAUSTED at once."})
@@ -75,7 +76,7 @@ class Settings(FlagSettings):
     audio_threads: int = field(default=1, metadata={"min": 1, "help": "Threads that decode requests' audio (WAV, resampling to 16 kHz, log-mel: up to ~1.4 s of CPU for a 30-s file), apart from the tokenizer threads, so that text requests never wait behind audio."})
     max_audio_requests: int = field(default=8, metadata={"min": 1, "help": "Requests with audio being decoded or waiting for an audio thread; one more gets RESOURCE_EXHAUSTED at once, before its audio is read (each may hold ~130 MB while decoded)."})
     block_size: int = field(default=64, metadata={"min": 1, "help": "Tokens per shared cache block."})
-    cache_dtype: str = field(default=DEFAULT_CACHE_DTYPE, metadata={"help": "Element type of K/V in the store: float16 (half the bytes of float32; greedy answers equal computing on every measured prompt), bfloat16 (half the bytes, coarser: some greedy tokens change) or float32 (bit-identical to computing). Part of every key: workers with different values never share blocks.", "choices": list(STORAGE_DTYPES)})
+    cache_dtype: str = field(default=DEFAULT_CACHE_DTYPE, metadata={"help": "Element type of K/V in the store: auto (float32 for a model whose matmuls round activations to 8 bits, such as fetch-model's gguf and int8 folders, where float16 storage moved SmolLM2's logits by up to 0.83; float16 for the others), float16 (half the bytes of float32; greedy answers equal computing on every measured prompt of float models), bfloat16 (half the bytes, coarser: some greedy tokens change) or float32 (bit-identical to computing). Part of every key: workers with different values never share blocks; the start-up log says which one auto chose.", "choices": list(CACHE_DTYPES)})
     lease_wait_factor: float = field(default=2.0, metadata={"min": 0.0, "max": 100.0, "help": "Fleet-wide single-flight: a worker missing a prompt's blocks takes a lease on computing them; one that finds another worker's lease waits for that worker's blocks instead, and computes them itself once they stop coming or come slower than this many times its own expected time to compute them (from its measured prefill pace). 0 = no leases: every worker computes what it lacks."})
     lease_poll_ms: float = field(default=10.0, metadata={"min": 1.0, "max": 1000.0, "help": "How often a worker waiting for another worker's blocks looks for them in the store; while Redis announces the other worker's chunks (pub/sub), it looks when one is announced, and 5 times this apart otherwise."})
     window_fetch: bool = field(default=True, metadata={"help": "Models with sliding-window layers (Gemma 3): a cached run's windowed layers are stored apart and fetched only for the blocks a continuation reads (its last window), the other layers for the whole run. false: every block is one value of every layer, as for other models (workers sharing a store must agree: the two keep different keys)."})

@@ -32,7 +32,7 @@ from jinja2 import TemplateError
 from cachestore.keys import BlockHash, Namespace
 from cachestore.stats import CacheStats
 from cachestore.storage_dtype import DEFAULT as DEFAULT_CACHE_DTYPE
-from cachestore.storage_dtype import storage_dtype
+from cachestore.storage_dtype import resolve, storage_dtype
 from cachestore.store import KVStore
 from services.engine.generation import (
     GenerationChunk,
@@ -82,7 +82,8 @@ class EngineOptions:
     block_size: int = 64
     """Tokens per shared cache block."""
     cache_dtype: str = DEFAULT_CACHE_DTYPE
-    """Element type of K/V in the store (``cachestore.storage_dtype``): float32, float16 or bfloat16."""
+    """Element type of K/V in the store (``cachestore.storage_dtype``): auto (float32 for a model
+    that quantizes its activations, else float16), float32, float16 or bfloat16."""
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     """Batch, queue, prefill budget and back-pressure; ``max_batch`` 0 is derived from ``kv_cache_bytes``."""
     kv_cache_bytes: int = 0
@@ -160,7 +161,7 @@ class Engine:
         pace = PrefillPace(options.leases.first_ms_per_token)
         shared_rows = batches_rows(session)  # the slots order layers as the store's groups
         self.connector = KVConnector(spec, session.kv_dtype, session.cross_heads,
-                                     storage_dtype(options.cache_dtype), store, cache_stats, ConnectorOptions(
+                                     storage_dtype(resolve(options.cache_dtype, spec.quantized_activations)), store, cache_stats, ConnectorOptions(
                                          block_size=options.block_size, namespace_secret=options.namespace_secret,
                                          max_value_bytes=options.max_value_bytes,
                                          store_write_threads=options.store_write_threads,
@@ -188,8 +189,10 @@ class Engine:
         self.slots, self.encoder = self.runner.slots, self.runner.encoder
         self.waits, self.prefix, self.cross = self.connector.waits, self.connector.prefix, self.connector.cross
         self.storage_dtype = self.connector.storage_dtype
-        log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype; the model's own K/V is %s)",
-                 self.storage_dtype.name, spec.kv_bytes_per_token(self.storage_dtype.itemsize), session.kv_dtype.name)
+        log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype %s%s; the model's own K/V is %s)",
+                 self.storage_dtype.name, spec.kv_bytes_per_token(self.storage_dtype.itemsize), options.cache_dtype,
+                 ": the model's matmuls quantize activations" if spec.quantized_activations else "",
+                 session.kv_dtype.name)
         if len(spec.layer_groups) > 1:
             self._log_layer_groups()
         if options.prefix_fetch is PrefixFetch.AUTO and not session.on_host:
@@ -227,7 +230,7 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
-             device: str | ArrayDevice = "auto", intra_op_threads: int = 0, intra_op_spinning: bool = False) -> Engine:
+             device: str | ArrayDevice = "auto", intra_op_threads: int = 0, intra_op_spinning: str = "in-run") -> Engine:
         """``device``: ``--device`` (``device_choice``; a CUDA device that cannot be used raises
         StartupError), or the arrays themselves."""
         spec = load_model_spec(model_dir)

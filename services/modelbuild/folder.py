@@ -21,9 +21,11 @@ from services.modelbuild.decoder_graph import (
     present_names,
 )
 from services.modelbuild.graph_dtype import convert_model
+from services.modelbuild.nbits_graph import use_blocks
 from services.modelbuild.presets import (
     DECODER_PRESETS,
     ENCODER_DECODER_PRESETS,
+    GGUF_WEIGHTS,
     DecoderShape,
     EncoderDecoderShape,
 )
@@ -164,22 +166,23 @@ def write_decoder_folder(out_dir: Path, preset: str, layout: KVLayout, seed: int
 def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32", dtype: str = "float32") -> Path:
     """Converts a Llama or Gemma 3 GGUF into a folder kvshare and ONNX Runtime GenAI both load:
     model.onnx with its weights beside it in model.onnx.data (ONNX external data: the protobuf
-    stays small, and no 2 GiB limit). ``weights``: ``fp32`` (the dequantized weights), or ``int8``
-    (MatMulNBits, 8 bits, blocks of 32, accuracy level 4: re-quantized by ONNX Runtime's own
-    quantizer; the embedding and the tied head stay float). ``dtype``: the element type of
-    everything else (activations, K/V, logits, norm weights, and with int8 the quantization
-    scales), as GenAI's int4/int8 CUDA models pair MatMulNBits with float16. fp32 is the default
-    because int8 changed SmolLM2's answers: 8-bit kernels that keep them (float activations)
-    decode at 2 tok/s here, the fast ones (int8 activations) get the capital of France wrong under
-    the template's default system message."""
+    stays small, and no 2 GiB limit). ``weights`` (GGUF_WEIGHTS): ``gguf`` (the file's own
+    Q4_0/Q4_1/Q8_0 blocks as MatMulNBits, exactly: services/modelbuild/gguf_blocks.py; other block
+    types dequantized; the embedding's float copy stays for its Gather), ``fp32`` (the dequantized
+    weights), or ``int8`` (MatMulNBits, 8 bits, blocks of 32, accuracy level 4: re-quantized by ONNX
+    Runtime's own quantizer; the embedding and Llama's tied head stay float). ``dtype``: the
+    element type of everything else (activations, K/V, logits, norm weights, and with MatMulNBits
+    the scales), as GenAI's int4/int8 CUDA models pair MatMulNBits with float16. int8 changed
+    SmolLM2's answers (the capital of France under the template's default system message); gguf
+    keeps llama.cpp's (tests/test_real_model.py)."""
     from services.modelbuild.gemma_graph import build_gemma_graph
     from services.modelbuild.gguf_architectures import ARCHITECTURES
     from services.modelbuild.gguf_model import GGUFError, read_gguf
     from services.modelbuild.gguf_tokenizer import stop_token_ids, tokenizer_from_gguf
 
-    if weights not in ("fp32", "int8"):
-        raise ValueError(f"weights {weights!r} is not one of int8, fp32")
-    source = read_gguf(gguf_path)
+    if weights not in GGUF_WEIGHTS:
+        raise ValueError(f"weights {weights!r} is not one of {', '.join(GGUF_WEIGHTS)}")
+    source = read_gguf(gguf_path, keep_blocks=weights == "gguf")
     try:
         tok = tokenizer_from_gguf(source)
         if source.architecture == "gemma3":
@@ -192,6 +195,8 @@ def write_gguf_folder(gguf_path: Path, out_dir: Path, weights: str = "fp32", dty
                         f"({type(exc).__name__}: {exc})") from exc
     if weights == "int8":
         model = quantize_int8(model)
+    elif weights == "gguf":
+        use_blocks(model, source.blocks)
     model = convert_model(model, dtype)
     out_dir.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, out_dir / MODEL_FILE, save_as_external_data=True, all_tensors_to_one_file=True,

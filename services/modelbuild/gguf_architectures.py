@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.modelbuild.gguf_blocks import QuantBlocks
 from services.modelbuild.gguf_model import Fields, GGUFError
 from services.modelbuild.presets import DecoderShape
 
@@ -35,23 +36,44 @@ class Architecture:
     """genai_config.json's ``model.type``, as ONNX Runtime GenAI's builder writes it for the
     architecture (Gemma 3 text-only: ``gemma3_text``; its ``gemma3`` is the vision-language pipeline)."""
 
-    def tensor(self, name: str, values: np.ndarray, shape: DecoderShape) -> tuple[str, np.ndarray]:
-        """The builder's name and orientation of GGUF tensor ``name`` (float32 ``values``)."""
+    def _place(self, name: str) -> tuple[str, str | None]:
+        """GGUF tensor ``name``'s builder name and its layer kind (None outside the layers)."""
         if name == "token_embd.weight":
-            return "model.embed_tokens.weight", values
+            return "model.embed_tokens.weight", None
         if name == "output_norm.weight":
-            return "model.norm.weight", values
+            return "model.norm.weight", None
         if name == "output.weight" and self.untied_head:
-            return "lm_head.weight", values.T.copy()
+            return "lm_head.weight", None
         parts = name.split(".")
         if len(parts) != 4 or parts[0] != "blk" or parts[3] != "weight" or parts[2] not in self.layer_tensors:
             raise GGUFError(f"tensor {name} (e.g. a bias or an untied head) has no place in the graph")
         _, layer, kind, _ = parts
+        return f"model.layers.{layer}.{self.layer_tensors[kind]}", kind
+
+    def _row_order(self, kind: str | None, rows: int, shape: DecoderShape) -> np.ndarray | None:
+        """The order of a 2-D weight's output rows in the graph (None: as stored)."""
+        if self.permuted_qk and kind in ("attn_q", "attn_k"):
+            heads = shape.num_heads if kind == "attn_q" else shape.num_kv_heads
+            return _unpermute(np.arange(rows)[:, None], heads)[:, 0]
+        return None
+
+    def tensor(self, name: str, values: np.ndarray, shape: DecoderShape) -> tuple[str, np.ndarray]:
+        """The builder's name and orientation of GGUF tensor ``name`` (float32 ``values``):
+        matmul weights ``[in, out]``, the embedding ``[vocab, hidden]``."""
+        builder, kind = self._place(name)
+        if kind is None:
+            return builder, values.T.copy() if builder == "lm_head.weight" else values
         if values.ndim == 2:
-            if self.permuted_qk and kind in ("attn_q", "attn_k"):
-                values = _unpermute(values, shape.num_heads if kind == "attn_q" else shape.num_kv_heads)
-            values = values.T.copy()
-        return f"model.layers.{layer}.{self.layer_tensors[kind]}", values
+            order = self._row_order(kind, values.shape[0], shape)
+            values = (values if order is None else values[order]).T.copy()
+        return builder, values
+
+    def blocks(self, name: str, blocks: QuantBlocks, shape: DecoderShape) -> tuple[str, QuantBlocks]:
+        """The builder's name of GGUF tensor ``name`` and its ``blocks`` with rows in the graph's
+        order (MatMulNBits keeps ``[out, in]``, as the file does)."""
+        builder, kind = self._place(name)
+        order = self._row_order(kind, blocks.shape[0], shape)
+        return builder, blocks if order is None else blocks.rows(order)
 
 
 def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from services.modelbuild.gguf_blocks import QuantBlocks, blocks_of
 from services.modelbuild.presets import DecoderShape
 
 # llama.cpp's pre-tokenizers, as the regular expressions it applies in order (llama-vocab.cpp).
@@ -41,6 +42,9 @@ class GGUFModel:
     shape: DecoderShape
     weights: dict[str, np.ndarray]
     """float32, builder names (``model.layers.0.attn.q_proj.weight``), matmul weights ``[in, out]``."""
+    blocks: dict[str, QuantBlocks]
+    """The matmul weights (and the embedding, which a tied head multiplies by) whose GGUF block
+    type maps exactly onto MatMulNBits, under their builder names; empty unless asked for."""
     tied_head: bool
     """No ``output.weight``: the output head is the token embedding, transposed."""
     tokenizer_model: str
@@ -88,17 +92,18 @@ class Fields:
         return value
 
 
-def read_gguf(path: Path) -> GGUFModel:
-    """The model in ``path``; GGUFError (never another exception) for anything unreadable or refused."""
+def read_gguf(path: Path, keep_blocks: bool = False) -> GGUFModel:
+    """The model in ``path``; GGUFError (never another exception) for anything unreadable or
+    refused. ``keep_blocks``: also keep the quantized matmul weights as blocks (``blocks``)."""
     try:
-        return _read(path)
+        return _read(path, keep_blocks)
     except GGUFError:
         raise
     except (ValueError, IndexError, KeyError, TypeError, ZeroDivisionError, OverflowError, OSError) as exc:
         raise GGUFError(f"not a readable GGUF model ({type(exc).__name__}: {exc})") from exc
 
 
-def _read(path: Path) -> GGUFModel:
+def _read(path: Path, keep_blocks: bool) -> GGUFModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -128,8 +133,13 @@ def _read(path: Path) -> GGUFModel:
         raise GGUFError(f"pre-tokenizer {pre!r} is not one of {sorted(PRE_TOKENIZERS)}")
 
     weights: dict[str, np.ndarray] = {}
+    blocks: dict[str, QuantBlocks] = {}
     for tensor in reader.tensors:
         values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        quantized = blocks_of(tensor.tensor_type.name, tensor.data, *values.shape) if keep_blocks and values.ndim == 2 else None
+        if quantized is not None:
+            builder, quantized = mapping.blocks(tensor.name, quantized, shape)
+            blocks[builder] = quantized
         name, values = mapping.tensor(tensor.name, values, shape)
         weights[name] = values
     template = fields.get("tokenizer.chat_template")
@@ -137,7 +147,7 @@ def _read(path: Path) -> GGUFModel:
     eos = int(fields.get("tokenizer.ggml.eos_token_id"))
     unknown = fields.get("tokenizer.ggml.unknown_token_id")
     return GGUFModel(
-        name=str(fields.get("general.name", path.stem)), architecture=arch, shape=shape, weights=weights,
+        name=str(fields.get("general.name", path.stem)), architecture=arch, shape=shape, weights=weights, blocks=blocks,
         tied_head="lm_head.weight" not in weights, tokenizer_model=tokenizer_model, tokens=tokens,
         token_types=[int(t) for t in fields.get("tokenizer.ggml.token_type")],
         scores=[float(s) for s in scores] if scores is not None else None,

@@ -1,4 +1,5 @@
-"""Which self-attention layers of a decoder graph see only a window of recent positions.
+"""What the worker reads from a decoder graph itself: which self-attention layers see only a
+window of recent positions, and whether its matmuls quantize their activations.
 
 Read from the graph itself, never from a per-model table: a ``com.microsoft::GroupQueryAttention``
 node with ``local_window_size`` W > 0 lets the query at position p see keys p - W + 1 .. p (its own
@@ -10,10 +11,8 @@ named for that layer in genai_config.json.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import onnx
-from google.protobuf.message import DecodeError
 
 MS_DOMAIN = "com.microsoft"
 
@@ -28,15 +27,9 @@ class LayerWindows:
     """Indices of the windowed layers, ascending; empty when ``window`` is 0."""
 
 
-def read_layer_windows(onnx_path: Path, present_keys: list[str]) -> LayerWindows:
-    """The windows of the graph in ``onnx_path`` (external data is not read), given each layer's
-    present-key output name. Several window sizes in one graph are refused with ValueError: the
-    store keeps one windowed layer group. A file onnx cannot parse has no windows here: opening
-    the session says what is wrong with it."""
-    try:
-        graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    except DecodeError:
-        return LayerWindows()
+def read_layer_windows(graph: onnx.GraphProto, present_keys: list[str]) -> LayerWindows:
+    """The windows of ``graph``, given each layer's present-key output name. Several window sizes
+    in one graph are refused with ValueError: the store keeps one windowed layer group."""
     layer_of = {name: i for i, name in enumerate(present_keys)}
     windows: dict[int, int] = {}
     for node in graph.node:
@@ -52,3 +45,13 @@ def read_layer_windows(onnx_path: Path, present_keys: list[str]) -> LayerWindows
     if len(sizes) > 1:
         raise ValueError(f"layers have different sliding windows {sorted(sizes)}: one window size is supported")
     return LayerWindows(window=sizes.pop(), layers=tuple(sorted(windows)))
+
+
+def quantizes_activations(graph: onnx.GraphProto) -> bool:
+    """Whether a matmul of ``graph`` rounds its activations to 8 bits (``MatMulNBits`` with
+    ``accuracy_level`` 4, as ``--weights gguf`` and ``int8`` folders have). Such a graph turns a
+    small change of its K/V into whole quantization steps of the next activations: SmolLM2 (gguf)
+    answered from float16-stored K/V with logits up to 0.83 from computing, from float32-stored
+    K/V identically, so the store keeps float32 for it (``--cache-dtype auto``)."""
+    return any(node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN and
+               any(a.name == "accuracy_level" and a.i == 4 for a in node.attribute) for node in graph.node)

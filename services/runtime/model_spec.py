@@ -12,10 +12,17 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import onnx
+from google.protobuf.message import DecodeError
+
 from services.audio.log_mel import AudioFeatures
 from services.errors import ModelLoadError
 from services.runtime.kv_layout import KVLayout
-from services.runtime.layer_windows import LayerWindows, read_layer_windows
+from services.runtime.layer_windows import (
+    LayerWindows,
+    quantizes_activations,
+    read_layer_windows,
+)
 
 FINGERPRINT_VERSION = b"kvshare-model-fingerprint-v1"
 
@@ -99,6 +106,9 @@ class ModelSpec:
     """The self-attention layers that see only the last ``windows.window`` positions (read from the
     graph: ``layer_windows``); a continuation needs only that much of their cached K/V."""
 
+    quantized_activations: bool = False
+    """The graph's matmuls round activations to 8 bits (``layer_windows.quantizes_activations``)."""
+
     def kv_bytes_per_token(self, element_size: int, layers: int | None = None) -> int:
         """Self-attention K/V bytes one token occupies in ``layers`` layers (default: all of them):
         2 x layers x kv_heads x head_size x element."""
@@ -166,6 +176,15 @@ def fingerprint(files: list[Path], kv_shaping_config: dict) -> str:
     return digest.hexdigest()
 
 
+def _graph(onnx_path: Path) -> onnx.GraphProto:
+    """The decoder's graph without its external data. A file onnx cannot parse is an empty graph
+    here (no windows, no quantization): opening the session says what is wrong with it."""
+    try:
+        return onnx.load(str(onnx_path), load_external_data=False).graph
+    except DecodeError:
+        return onnx.GraphProto()
+
+
 def load_model_spec(folder: Path) -> ModelSpec:
     """Reads ``folder/genai_config.json``; raises ModelLoadError with the reason when unusable."""
     config_path = folder / "genai_config.json"
@@ -186,7 +205,8 @@ def load_model_spec(folder: Path) -> ModelSpec:
         if encoder is not None:
             files += _model_files(folder, model["encoder"]["filename"])
         kv = _kv_names(inputs, outputs, num_layers)
-        windows = (read_layer_windows(onnx_path, [names[0] for names in kv.present])
+        graph = _graph(onnx_path)
+        windows = (read_layer_windows(graph, [names[0] for names in kv.present])
                    if kv.layout is KVLayout.SEPARATE else LayerWindows())
         shaping = {
             "layers": num_layers, "heads": num_heads, "kv_heads": num_kv_heads, "head_size": head_size,
@@ -216,6 +236,7 @@ def load_model_spec(folder: Path) -> ModelSpec:
             decoder_start_token_id=model.get("decoder_start_token_id", model.get("bos_token_id")),
             audio=AudioFeatures.from_folder(folder) if encoder is not None else None,
             windows=windows,
+            quantized_activations=quantizes_activations(graph),
         )
     except FileNotFoundError as exc:
         raise ModelLoadError(f"{exc.filename}: not found; a model folder needs genai_config.json and its ONNX file") from exc

@@ -51,8 +51,11 @@ class KVConnectorWorker:
 
     def __init__(self, prefix: PrefixStore, cross: CrossStore, store: KVStore, cache_stats: CacheStats,
                  storage_dtype: np.dtype, kv_bytes_per_token: int, writes: PublishQueue,
-                 encodes: EncoderRuns) -> None:
+                 encodes: EncoderRuns, publish_answers: bool = True) -> None:
+        """``publish_answers``: False for a model whose matmuls quantize their activations (see
+        ``save_answer``)."""
         self.prefix = prefix
+        self.publish_answers = publish_answers
         self.cross = cross
         self.store = store
         self.cache_stats = cache_stats
@@ -190,9 +193,16 @@ class KVConnectorWorker:
         freed: the full blocks of prompt + answer that the prompt's own publish did not cover are
         copied out and published, so a chat's next turn (which sends this answer back) finds them
         on any replica. The last token's K/V was never computed (it was not fed), so the blocks
-        stop before it. Beams are not published: their rows were reordered along the search."""
+        stop before it. Beams are not published: their rows were reordered along the search.
+
+        Nor are answers of a model whose matmuls round activations to 8 bits
+        (``publish_answers`` False): decode steps compute one row where a prefill computes many,
+        and float differences at rounding level between the two move whole quantization steps of
+        the next activations there. SmolLM2 (gguf) served turn 2 over turn 1's decoded blocks with
+        logits up to 0.98 from computing it (a greedy token changed at a 0.04 margin), over
+        prefilled blocks identically; so a next turn computes the answer's tokens again."""
         kv = seq.kv
-        if kv.cache.skip_write or (seq.group is not None and seq.group.beams is not None):
+        if not self.publish_answers or kv.cache.skip_write or (seq.group is not None and seq.group.beams is not None):
             return
         size = kv.namespace.block_size
         first, last = len(seq.prompt) // size, seq.slot.length // size
