@@ -43,13 +43,15 @@ from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.slots import SlotBank, open_slots
 
 
-def genai_run(og_model, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+def genai_run(og_model, prompt: list[int], new_tokens: int) -> tuple[float, list[int], float]:
+    """(decode tok/s, tokens, prefill ms: the prompt and the first token)."""
     import onnxruntime_genai as og
 
     params = og.GeneratorParams(og_model)
     length = len(prompt) + new_tokens
     params.set_search_options(do_sample=False, max_length=length, min_length=length)
     generator = og.Generator(og_model, params)
+    start = time.perf_counter()
     generator.append_tokens(prompt)
     generator.generate_next_token()
     tokens = [int(generator.get_next_tokens()[0])]
@@ -57,15 +59,17 @@ def genai_run(og_model, prompt: list[int], new_tokens: int) -> tuple[float, list
     while not generator.is_done():
         generator.generate_next_token()
         tokens.append(int(generator.get_next_tokens()[0]))
-    return (len(tokens) - 1) / (time.perf_counter() - t0), tokens
+    return (len(tokens) - 1) / (time.perf_counter() - t0), tokens, (t0 - start) * 1e3
 
 
-def kvshare_run(stub, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+def kvshare_run(stub, prompt: list[int], new_tokens: int) -> tuple[float, list[int], float]:
+    """(decode tok/s, tokens, prefill ms: the worker's own time to first token)."""
     request = pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=new_tokens, ignore_eos=True,
                                  cache=pb.CacheOptions(skip_read=True, skip_write=True))
     done = complete(stub, request, timeout_s=600)
     t = done.last.timings
-    return (done.last.usage.completion_tokens - 1) / ((t.total_ms - t.time_to_first_token_ms) / 1e3), done.token_ids
+    rate = (done.last.usage.completion_tokens - 1) / ((t.total_ms - t.time_to_first_token_ms) / 1e3)
+    return rate, done.token_ids, t.time_to_first_token_ms
 
 
 def llama_cpp_run(python: str, gguf: Path, prompt: list[int], new_tokens: int) -> dict:
@@ -76,17 +80,19 @@ def llama_cpp_run(python: str, gguf: Path, prompt: list[int], new_tokens: int) -
     return json.loads(proc.stdout)
 
 
-def slots_run(slots: SlotBank, prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+def slots_run(slots: SlotBank, prompt: list[int], new_tokens: int) -> tuple[float, list[int], float]:
     """The worker's own model path (its slot bank: prefill, then one-row decode steps) alone, with no
-    scheduler, server or gRPC: separates the runtime from the transport."""
+    scheduler, server or gRPC: separates the runtime from the transport. Returns (decode tok/s,
+    tokens, prefill ms: the whole prompt in one run)."""
     slot = slots.acquire(len(prompt) + new_tokens)
     try:
         slots.begin(slot, [], 0)
+        start = time.perf_counter()
         tokens = [int(np.argmax(slots.prefill(slot, prompt)))]
         t0 = time.perf_counter()
         while len(tokens) < new_tokens:
             tokens.append(int(np.argmax(slots.decode([slot], [tokens[-1]])[0])))
-        return (len(tokens) - 1) / (time.perf_counter() - t0), tokens
+        return (len(tokens) - 1) / (time.perf_counter() - t0), tokens, (t0 - start) * 1e3
     finally:
         slots.release(slot)
 
@@ -108,33 +114,48 @@ def main() -> int:
     slots = {name: open_slots(DecoderSession(spec, "auto", INTRA_OP_THREADS, spinning), 1, spec.context_length)
              for name, spinning in threads.items()}
     rates: dict[str, list[float]] = {}
+    prefills: dict[str, list[float]] = {}
     outputs: list[list[int]] = []
     with fleet(model, replicas=1) as f, \
             fleet(model, replicas=1, extra_args=("--intra-op-spinning", "never")) as g:
         stubs = {"": f.stubs[0], ", threads never spin": g.stubs[0]}
         for stub in stubs.values():
             kvshare_run(stub, prompt, 4)
+
+        def record(name: str, rate: float, prefill_ms: float) -> None:
+            rates.setdefault(name, []).append(rate)
+            prefills.setdefault(name, []).append(prefill_ms)
+
         for _ in range(rounds):
             for name in threads:
-                rate, served = kvshare_run(stubs[name], prompt, new_tokens)
-                rates.setdefault(f"kvshare worker (gRPC stream){name}", []).append(rate)
-                rate, looped = slots_run(slots[name], prompt, new_tokens)
-                rates.setdefault(f"kvshare step loop (in-process){name}", []).append(rate)
+                rate, served, prefill_ms = kvshare_run(stubs[name], prompt, new_tokens)
+                record(f"kvshare worker (gRPC stream){name}", rate, prefill_ms)
+                rate, looped, prefill_ms = slots_run(slots[name], prompt, new_tokens)
+                record(f"kvshare step loop (in-process){name}", rate, prefill_ms)
                 outputs += [served, looped]
-            rate, reference = genai_run(og_model, prompt, new_tokens)
-            rates.setdefault("onnxruntime-genai", []).append(rate)
+            rate, reference, prefill_ms = genai_run(og_model, prompt, new_tokens)
+            record("onnxruntime-genai", rate, prefill_ms)
             if args.llama_cpp:
                 peer = llama_cpp_run(args.llama_cpp, args.gguf, prompt, new_tokens)
-                rate, theirs, version = peer["rate"], peer["tokens"], peer["version"]
-                rates.setdefault(f"llama.cpp {version} (GGUF)", []).append(rate)
+                theirs, peer_name = peer["tokens"], f"llama.cpp {peer['version']} (GGUF)"
+                record(peer_name, peer["rate"], peer["prefill_ms"])
     same = all(tokens == reference for tokens in outputs)
     genai = median(rates["onnxruntime-genai"])
-    rows = [(name, prompt_tokens, new_tokens, median(r), median(r) / genai,
+    peer = next((name for name in rates if name.startswith("llama.cpp")), None)
+
+    def versus_peer(name: str) -> tuple:
+        if peer is None:
+            return ()
+        return (median(rates[name]) / median(rates[peer]), median(prefills[peer]) / median(prefills[name]))
+
+    rows = [(name, prompt_tokens, new_tokens, median(r), median(r) / genai, *versus_peer(name), median(prefills[name]),
              ("yes" if same else "NO") if not name.startswith("llama.cpp") else
              f"first {next((i for i, (a, b) in enumerate(zip(theirs, reference, strict=False)) if a != b), len(theirs))}")
             for name, r in rates.items()]
+    peer_columns = ("× llama.cpp", "prefill speed × llama.cpp") if peer else ()
     print_table(f"{model.name} model, greedy, one stream, {INTRA_OP_THREADS} intra-op threads; medians of {rounds} interleaved rounds",
-                ("decoder", "prompt tokens", "new tokens", "tok/s", "× GenAI", "same tokens"), rows)
+                ("decoder", "prompt tokens", "new tokens", "tok/s", "× GenAI", *peer_columns, "prefill ms", "same tokens"),
+                rows)
     return 0 if same else 1
 
 

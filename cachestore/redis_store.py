@@ -267,8 +267,26 @@ class RedisStore(KVStore):
                 return kind
         return "error"
 
-    def ping(self) -> None:
-        self._client.ping()
+    def ping(self, connections: int = 1) -> None:
+        if connections <= 1 or self._cluster:
+            self._client.ping()
+            return
+        pool = self._client.connection_pool
+        opened = []
+        try:
+            for _ in range(min(connections, pool.max_connections)):
+                opened.append(pool.get_connection())
+            for connection in opened:
+                connection.send_command("PING")
+            for connection in opened:
+                connection.read_response()
+        except BaseException:
+            for connection in opened:
+                connection.disconnect()
+            raise
+        finally:
+            for connection in opened:
+                pool.release(connection)
 
     def close(self) -> None:
         if self._client_or_none is not None:

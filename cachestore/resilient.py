@@ -137,8 +137,8 @@ class ResilientStore(KVStore):
     def error_kind(self, exc: Exception) -> str:
         return self.inner.error_kind(exc)
 
-    def ping(self) -> None:
-        self.inner.ping()
+    def ping(self, connections: int = 1) -> None:
+        self.inner.ping(connections)
 
     def close(self) -> None:
         self.inner.close()

@@ -113,8 +113,8 @@ class SignedStore(KVStore):
     def notices(self, on_notice: Callable[[str, bool], None]) -> Notices | None:
         return self.inner.notices(on_notice)
 
-    def ping(self) -> None:
-        self.inner.ping()
+    def ping(self, connections: int = 1) -> None:
+        self.inner.ping(connections)
 
     def close(self) -> None:
         self.inner.close()

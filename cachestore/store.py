@@ -109,8 +109,10 @@ class KVStore(ABC):
         """A short label for a failure this store raised: one of ``ERROR_KINDS``."""
         return "error"
 
-    def ping(self) -> None:
-        """Raises when the store cannot be reached."""
+    def ping(self, connections: int = 1) -> None:
+        """Raises when the store cannot be reached. A networked store opens and checks up to
+        ``connections`` pooled connections at once, so that the first requests after a start
+        find them open (a stateless worker's first warm fetch should cost what later ones do)."""
         self.get("kvshare:ping")
 
     def close(self) -> None:  # noqa: B027 - optional: only networked stores hold something to release

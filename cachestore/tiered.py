@@ -62,8 +62,8 @@ class TieredStore(KVStore):
     def notices(self, on_notice: Callable[[str, bool], None]) -> Notices | None:
         return self.l2.notices(on_notice)
 
-    def ping(self) -> None:
-        self.l2.ping()
+    def ping(self, connections: int = 1) -> None:
+        self.l2.ping(connections)
 
     def close(self) -> None:
         self.l2.close()

@@ -148,8 +148,10 @@ def load_engine(settings: Settings) -> Engine:
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms),
         prefix_fetch=PrefixFetch(settings.prefix_fetch), window_fetch=settings.window_fetch,
     )
-    return Engine.load(settings.model, options, store, stats, device, settings.intra_op_threads,
-                       settings.intra_op_spinning)
+    engine = Engine.load(settings.model, options, store, stats, device, settings.intra_op_threads,
+                         settings.intra_op_spinning)
+    engine.warm_up(settings.prefault_tokens, settings.store_read_threads + settings.store_write_threads + 1)
+    return engine
 
 
 def _health_server(health_servicer: health.aio.HealthServicer) -> grpc.aio.Server:

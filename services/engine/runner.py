@@ -66,6 +66,11 @@ class ModelRunner:
         self.lifecycle = Lifecycle(self.slots.release, lambda seq: kv.save_answer(seq, self.slots), max_unread_tokens)
         self.stats = self.lifecycle.stats
 
+    def prefault(self, tokens: int) -> int:
+        """Faults in the slot memory the first request will use (``SlotBank.prefault``); safe on
+        any thread, beside running steps. Returns the bytes faulted in."""
+        return self.slots.prefault(tokens)
+
     def acquire(self, tokens: int) -> Slot:
         """A free slot for a sequence of at most ``tokens`` tokens (the scheduler checked one is free)."""
         return self.slots.acquire(tokens)

@@ -42,6 +42,15 @@ def _cast_session(src: np.dtype, dst: np.dtype) -> ort.InferenceSession:
         return _sessions[src, dst]
 
 
+def prepare(a: np.dtype, b: np.dtype) -> None:
+    """Makes the conversion sessions between ``a`` and ``b`` (both ways) now, where they are
+    ONNX Runtime's, so that the first fetch or publish does not."""
+    a, b = np.dtype(a), np.dtype(b)
+    if _by_ort(a, b):
+        _cast_session(a, b)
+        _cast_session(b, a)
+
+
 def _by_ort(src: np.dtype, dst: np.dtype) -> bool:
     return {src, dst} == {_F16, _F32}
 

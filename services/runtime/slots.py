@@ -45,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.runtime.device_arrays import HostCopy
+from services.runtime.memory import populate
 from services.runtime.onnx_decoder import DecoderSession, KVCache
 from services.runtime.ort import onnxruntime as ort
 
@@ -92,6 +93,12 @@ class _Bank:
         ``slot`` as it arrives, or None when the slot's memory is only made by ``begin``."""
         return None
 
+    def prefault(self, tokens: int) -> int:
+        """Faults in the first ``tokens`` positions of the row ``acquire`` hands out first, without
+        changing them (``memory.populate``: safe beside running requests). Returns the bytes
+        faulted in; 0 where the slots' memory is made per request or lives on a device."""
+        return 0
+
 
 def batches_rows(session: DecoderSession) -> bool:
     """Whether ``open_slots`` gives this session ``SharedSlots``, whose rows one decode run batches
@@ -123,6 +130,11 @@ class SharedSlots(_Bank):
         with self._row_locks[slot.index]:
             super().release(slot)
         self._lengths[slot.index] = 0
+
+    def prefault(self, tokens: int) -> int:
+        if self.device.kind != "cpu":
+            return 0
+        return populate(self._kv[:, :, 0, :, : min(tokens, self.max_seq)])
 
     def receiver(self, slot: Slot) -> BlockReceiver:
         """Copies fetched block ``i`` (canonical ``layers``, any storage dtype) into the slot's
