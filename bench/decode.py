@@ -5,10 +5,10 @@ both produced the same tokens.
 kvshare's rate comes from the worker's own timings, (completion_tokens - 1) / (total - TTFT); GenAI's
 from timing its generate_next_token loop after the first token, in this process. A third row times
 the worker's model path (its slot bank) in this process too, which separates the runtime from the
-server path. The worker and the slot bank run twice: with kvshare's default ``--intra-op-spinning
-in-run`` (idle threads spin within a model run, sleep between runs) and with ``never`` (they sleep
-between parallel sections; the default before 2026-12-02). GenAI keeps ONNX Runtime's default
-(``always``).
+server path. The worker and the slot bank run with each ``--intra-op-spinning`` policy: kvshare's
+default ``in-run`` (idle threads spin within a model run, sleep between runs), ``never`` (they
+sleep between parallel sections; the default before 2026-12-02) and ``always`` (ONNX Runtime's
+default, which GenAI keeps).
 
 With ``--llama-cpp PYTHON --gguf FILE`` (a Python with llama-cpp-python installed, and the GGUF the
 folder was converted from) a fourth row runs llama.cpp on that file, in a subprocess, interleaved
@@ -110,15 +110,16 @@ def main() -> int:
     prompt = model.random_ids(np.random.default_rng(4), prompt_tokens)
     og_model = og.Model(str(genai_folder(model)))
     spec = load_model_spec(model.folder)
-    threads = {"": "in-run", ", threads never spin": "never"}
+    threads = {"": "in-run", ", threads never spin": "never", ", threads always spin": "always"}
     slots = {name: open_slots(DecoderSession(spec, "auto", INTRA_OP_THREADS, spinning), 1, spec.context_length)
              for name, spinning in threads.items()}
     rates: dict[str, list[float]] = {}
     prefills: dict[str, list[float]] = {}
     outputs: list[list[int]] = []
     with fleet(model, replicas=1) as f, \
-            fleet(model, replicas=1, extra_args=("--intra-op-spinning", "never")) as g:
-        stubs = {"": f.stubs[0], ", threads never spin": g.stubs[0]}
+            fleet(model, replicas=1, extra_args=("--intra-op-spinning", "never")) as g, \
+            fleet(model, replicas=1, extra_args=("--intra-op-spinning", "always")) as h:
+        stubs = {"": f.stubs[0], ", threads never spin": g.stubs[0], ", threads always spin": h.stubs[0]}
         for stub in stubs.values():
             kvshare_run(stub, prompt, 4)
 

@@ -17,7 +17,7 @@ from services.local.model_catalogue import fetch_model
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.subprocess
 BENCHES = ["ttft", "fetch", "decode", "overhead", "block_size", "batch", "load", "reliability", "stalls", "signing",
-           "attacks", "samples", "turns", "cache_dtype", "route", "burst", "whisper", "http"]
+           "attacks", "samples", "turns", "cache_dtype", "route", "burst", "whisper", "http", "step_profile"]
 PLOTTED = ("ttft", "batch")
 SMOKE_FLAGS = {"whisper": ["--no-peer"]}
 """bench.whisper measures kvshare alone here: faster-whisper's own environment (~450 MB) is for real
