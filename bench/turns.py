@@ -16,7 +16,9 @@ answer, the share of turn 1's prompt + answer reused, and where the rest went:
 
 Every hit is also checked against the one these predict from the Tokenize RPC's ids (``expected``).
 All conversations share the system prompt's blocks, as they would in a fleet; publishes are
-awaited by counting keys in Redis before the next request.
+awaited by counting keys in Redis before the next request. The model is SmolLM2's fp32 folder
+(float activations): a folder whose matmuls quantize activations, such as the default gguf one,
+publishes no answers (README, "Storage dtype").
 
     .venv/bin/python -m bench.turns [--smoke] [--model DIR]
 """
@@ -94,7 +96,7 @@ def conversation(f, question: str, follow_up: str, max_new_tokens: int) -> dict:
 def main() -> int:
     args = parse_args(__doc__.splitlines()[0], lambda p: p.add_argument(
         "--max-new-tokens", type=int, default=128, help="turn 1's answer length limit (greedy)"))
-    folder = args.model or fetch_model("smollm2-135m-instruct")
+    folder = args.model or fetch_model("smollm2-135m-instruct", weights="fp32")
     model = BenchModel.of(folder, None if args.model else "SmolLM2-135M-Instruct")
     questions, block_sizes, max_new = (SMOKE_QUESTIONS, (16,), 16) if args.smoke else \
         (QUESTIONS, (16, 64), args.max_new_tokens)
