@@ -7,9 +7,10 @@ each other's values, and the codec refuses a value whose dtype code is not the o
 
 Choices (``--cache-dtype``), measured in docs/benchmarks.md ("Storage dtype"):
 
-- ``auto`` (default): ``float32`` for a model whose matmuls round their activations to 8 bits,
-  ``float16`` for the others. The model decides, so the engine resolves it (``resolve``); the
-  store only ever sees one of the three below.
+- ``auto`` (default): a 16-bit model's own K/V dtype (its values, unchanged); for a float32
+  model, ``float32`` where its matmuls round their activations to 8 bits, else ``float16``. The
+  model decides, so the engine resolves it (``resolve``); the store only ever sees one of the
+  three below.
 - ``float16``: an 11-bit significand (relative rounding error at most 2^-11) over a
   range up to 65504, which the codec enforces for every dtype anyway; 2 bytes. Greedy answers
   over it equalled computing on every measured prompt of the bench model and SmolLM2.
@@ -38,13 +39,17 @@ CHOICES = (AUTO, *STORAGE_DTYPES)
 """``--cache-dtype``'s values."""
 
 
-def resolve(name: str, quantized_activations: bool) -> str:
-    """``--cache-dtype`` ``name`` for a model whose matmuls do (or do not) round activations to
-    8 bits: ``auto`` becomes float32 for them (their next activations turn float16's rounding of
-    K/V into whole quantization steps: warm answers would drift from cold ones) and float16 for
-    the others; any other name stays."""
+def resolve(name: str, model_dtype: np.dtype, quantized_activations: bool) -> str:
+    """``--cache-dtype`` ``name`` for a model whose own K/V is ``model_dtype`` and whose matmuls
+    do (or do not) round activations to 8 bits. ``auto`` becomes a 16-bit model's own dtype
+    (exact), float32 for a float32 model that quantizes activations (its next activations turn
+    float16's rounding of K/V into whole quantization steps: warm answers would drift from cold
+    ones), float16 for the others; any other name stays."""
     if name != AUTO:
         return name
+    own = np.dtype(model_dtype)
+    if own.itemsize == 2 and own in STORAGE_DTYPES.values():
+        return next(k for k, v in STORAGE_DTYPES.items() if v == own)
     return "float32" if quantized_activations else "float16"
 
 

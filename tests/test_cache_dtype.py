@@ -100,12 +100,16 @@ def test_the_two_byte_range_check_finds_the_largest_magnitude_of_any_bit_pattern
 
 
 def test_the_default_is_auto_and_unknown_names_are_refused():
-    """auto: float16 for float models, float32 where the matmuls quantize activations (their warm
-    answers would drift from cold ones over float16 K/V: tests/test_real_model.py)."""
+    """auto: float16 for float32 models, float32 where their matmuls quantize activations (their
+    warm answers would drift from cold ones over float16 K/V: tests/test_real_model.py), a 16-bit
+    model's own dtype (its values, unchanged)."""
+    f32, f16 = np.dtype(np.float32), np.dtype(np.float16)
     assert EngineOptions().cache_dtype == DEFAULT == "auto"
-    assert resolve(DEFAULT, quantized_activations=False) == "float16" and storage_dtype("float16") == np.float16
-    assert resolve(DEFAULT, quantized_activations=True) == "float32"
-    assert resolve("bfloat16", quantized_activations=True) == "bfloat16"
+    assert resolve(DEFAULT, f32, quantized_activations=False) == "float16" and storage_dtype("float16") == f16
+    assert resolve(DEFAULT, f32, quantized_activations=True) == "float32"
+    assert resolve(DEFAULT, f16, quantized_activations=True) == "float16"
+    assert resolve(DEFAULT, BFLOAT16, quantized_activations=False) == "bfloat16"
+    assert resolve("bfloat16", f32, quantized_activations=True) == "bfloat16"
     with pytest.raises(ValueError, match="bfloat16"):
         storage_dtype("int8")
 

@@ -30,22 +30,24 @@ def _faults_writing(view: np.ndarray, value: float) -> int:
 def test_the_first_row_is_faulted_in_unchanged_and_then_writes_fault_nothing(tiny_model):
     """Row 0 (the row ``acquire`` hands out first) after ``prefault``: its values are what they
     were (a value written before is still there: the kernel populates, it does not zero), and
-    writing its first positions faults no page; the same positions of row 1, never touched,
-    fault at least one page per contiguous run."""
+    writing its first positions faults no page; the same positions of the last row, never
+    touched, do fault. (Not row 1: numpy asks for transparent huge pages on large arrays, and a
+    2 MiB page of row 0 may hold row 1's positions too; with huge pages one fault may cover
+    several runs, so the count is only known to be positive.)"""
     spec = load_model_spec(tiny_model)
-    # Rows of 8,192 positions: a buffer well past malloc's mmap threshold, so its pages are
-    # fresh (a small one comes from the heap, zeroed by writing: already faulted in).
-    slots = open_slots(DecoderSession(spec, "cpu", 1), 2, 8192)
+    # 24 rows of 8,192 positions: a buffer past the largest mmap threshold glibc adapts to (32
+    # MiB), so its pages are fresh (a smaller one may come from the heap, zeroed by writing:
+    # already faulted in).
+    slots = open_slots(DecoderSession(spec, "cpu", 1), 24, 8192)
     assert isinstance(slots, SharedSlots)
     tokens = 256
-    row0, row1 = slots._kv[:, :, 0, :, :tokens], slots._kv[:, :, 1, :, :tokens]
+    row0, far = slots._kv[:, :, 0, :, :tokens], slots._kv[:, :, -1, :, :tokens]
     row0[0, 0, 0, 5, 3] = 7.0
     assert slots.prefault(tokens) == row0.nbytes
     assert row0[0, 0, 0, 5, 3] == 7.0 and np.count_nonzero(row0) == 1
     assert slots.acquire(tokens).index == 0
-    runs = int(np.prod(row1.shape[:-2]))
     assert _faults_writing(row0, 1.0) == 0
-    assert _faults_writing(row1, 1.0) >= runs
+    assert _faults_writing(far, 1.0) > 0
 
 
 def test_populate_refuses_nothing_it_cannot_do():

@@ -163,7 +163,9 @@ class Engine:
         pace = PrefillPace(options.leases.first_ms_per_token)
         shared_rows = batches_rows(session)  # the slots order layers as the store's groups
         self.connector = KVConnector(spec, session.kv_dtype, session.cross_heads,
-                                     storage_dtype(resolve(options.cache_dtype, spec.quantized_activations)), store, cache_stats, ConnectorOptions(
+                                     storage_dtype(resolve(options.cache_dtype, session.kv_dtype,
+                                                           spec.quantized_activations)),
+                                     store, cache_stats, ConnectorOptions(
                                          block_size=options.block_size, namespace_secret=options.namespace_secret,
                                          max_value_bytes=options.max_value_bytes,
                                          store_write_threads=options.store_write_threads,
@@ -193,7 +195,8 @@ class Engine:
         self.storage_dtype = self.connector.storage_dtype
         log.info("cache: K/V stored as %s, %d bytes per cached token (--cache-dtype %s%s; the model's own K/V is %s)",
                  self.storage_dtype.name, spec.kv_bytes_per_token(self.storage_dtype.itemsize), options.cache_dtype,
-                 ": the model's matmuls quantize activations" if spec.quantized_activations else "",
+                 ": the model's matmuls quantize activations" if spec.quantized_activations and
+                 self.storage_dtype.itemsize == 4 and options.cache_dtype == "auto" else "",
                  session.kv_dtype.name)
         if len(spec.layer_groups) > 1:
             self._log_layer_groups()
@@ -263,8 +266,9 @@ class Engine:
                 log.info("warm-up: the store did not answer (%s); its connections open on first use", type(exc).__name__)
             prepare_casts(self.storage_dtype, self.session.kv_dtype)
             faulted = self.runner.prefault(prefault_tokens)
-            log.info("warm-up: %d store connections, %.0f MB of slot memory faulted in (--prefault-tokens %d) in %.2f s",
-                     connections, faulted / 1e6, prefault_tokens, time.perf_counter() - started)
+            log.info("warm-up: store checked (up to %d connections opened), %.0f MB of slot memory faulted in "
+                     "(--prefault-tokens %d) in %.2f s", connections, faulted / 1e6, prefault_tokens,
+                     time.perf_counter() - started)
 
         thread = threading.Thread(target=run, name="warm-up", daemon=True)
         thread.start()

@@ -151,8 +151,10 @@ class DecoderSession:
         # [batch, 1, vocab] (a fixed 1, as GenAI runs Gemma 3's last-position graph) is the last position only.
         self.logits_per_position = self.logits_rank == 3 and logits.shape[1] != 1
         self.logits_dtype = np.dtype(_ORT_TYPES[logits.type])
-        log.info("model %s on %s (kv %s, layout %s, shared past/present buffer: %s)", spec.name,
-                 self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer)
+        options = self._session.get_session_options()
+        log.info("model %s on %s (kv %s, layout %s, shared past/present buffer: %s; intra-op threads %s, "
+                 "spinning %s)", spec.name, self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer,
+                 options.intra_op_num_threads or "ONNX Runtime's choice", intra_op_spinning)
 
     @property
     def device_name(self) -> str:
