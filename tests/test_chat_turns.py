@@ -6,8 +6,8 @@ not fed back). Turn 2 of a chat sends [system, user, assistant = turn 1's text, 
 chat template, so its prompt starts with turn 1's prompt and answer, and a replica that never saw
 turn 1 finds those blocks in Redis.
 
-That holds for models with float activations (the SmolLM2 fp32 folder here). A model whose
-matmuls quantize their activations (the default gguf folder) publishes no answer: its decoded K/V
+That holds for models with float activations (the default SmolLM2 folder here). A model whose
+matmuls quantize their activations (the gguf folder) publishes no answer: its decoded K/V
 differs from a prefill's by more than rounding, so the next turn computes the answer's tokens and
 answers exactly as a cold request.
 
@@ -92,8 +92,8 @@ def generate(stub, messages, max_new_tokens: int, **cache) -> tuple[list[int], s
     return ids, "".join(text), last, tops
 
 
-def test_turn_two_on_another_replica_reuses_turn_ones_answer(smollm2_fp32, redis_server, redis_url):
-    with replicas(smollm2_fp32, redis_url) as (a, b), redis_server.client() as client:
+def test_turn_two_on_another_replica_reuses_turn_ones_answer(smollm2, redis_server, redis_url):
+    with replicas(smollm2, redis_url) as (a, b), redis_server.client() as client:
         turn1 = chat(("system", SYSTEM), ("user", QUESTION))
         prompt1 = ids_of(a, turn1)
         answer, text, last, _ = generate(a, turn1, 48)
@@ -129,8 +129,8 @@ def test_turn_two_on_another_replica_reuses_turn_ones_answer(smollm2_fp32, redis
                       "replica B's turn-2 blocks")
 
 
-def test_skip_write_on_turn_one_publishes_nothing_of_the_answer(smollm2_fp32, redis_server, redis_url):
-    with replicas(smollm2_fp32, redis_url) as (a, b), redis_server.client() as client:
+def test_skip_write_on_turn_one_publishes_nothing_of_the_answer(smollm2, redis_server, redis_url):
+    with replicas(smollm2, redis_url) as (a, b), redis_server.client() as client:
         turn1 = chat(("system", SYSTEM), ("user", QUESTION))
         prompt1 = ids_of(a, turn1)
         # Another request publishes turn 1's prompt (one token generated: no answer blocks).
@@ -153,12 +153,12 @@ def test_skip_write_on_turn_one_publishes_nothing_of_the_answer(smollm2_fp32, re
         assert done.last.usage.cached_prompt_tokens == len(prompt1) // B * B
 
 
-def test_a_model_that_quantizes_activations_publishes_no_answer_and_turn_two_equals_cold(smollm2, redis_server,
+def test_a_model_that_quantizes_activations_publishes_no_answer_and_turn_two_equals_cold(smollm2_gguf, redis_server,
                                                                                          redis_url):
-    """The default folder (int8 activations): turn 1's answer is not published, so turn 2 on the
+    """The gguf folder (int8 activations): turn 1's answer is not published, so turn 2 on the
     other replica reads turn 1's prompt blocks only and computes the rest: the same tokens as a
     cold request (which differed at token 5, a 0.04 margin, when the decoded blocks were reused)."""
-    with replicas(smollm2, redis_url) as (a, b), redis_server.client() as client:
+    with replicas(smollm2_gguf, redis_url) as (a, b), redis_server.client() as client:
         turn1 = chat(("system", SYSTEM), ("user", QUESTION))
         prompt1 = ids_of(a, turn1)
         answer, text, last, _ = generate(a, turn1, 48)

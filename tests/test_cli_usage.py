@@ -79,9 +79,7 @@ def test_a_chat_models_prompt_goes_through_its_template_and_raw_sends_the_text(s
     templated = kvshare("generate", QUESTION, "--target", target)
     assert int(summary(templated)["prompt_tokens"]) == tokens(stub, messages=user(QUESTION))
     expected = complete(stub, pb.GenerateRequest(messages=user(QUESTION), max_new_tokens=64), 120).text
-    # An answer (the raw text gets an empty one): llama.cpp's on the same GGUF under the template's
-    # default system message (tests/fixtures/smollm2), which the default folder follows.
-    assert templated.stdout == expected + "\n" and expected.startswith("L'Étoile, la Marseillaise")
+    assert templated.stdout == expected + "\n" and "Paris" in expected  # the raw text got an empty answer
 
     raw = kvshare("generate", QUESTION, "--target", target, "--raw")
     assert int(summary(raw)["prompt_tokens"]) == tokens(stub, text=QUESTION)

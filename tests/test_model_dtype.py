@@ -210,7 +210,7 @@ def test_a_bfloat16_build_is_written_and_refused_on_cpu_with_the_fix(built, arch
 
 
 @pytest.fixture(scope="module")
-def smollm2_float16(smollm2_fp32, tmp_path_factory) -> Path:
+def smollm2_float16(smollm2, tmp_path_factory) -> Path:
     """SmolLM2 as `kvshare fetch-model smollm2-135m-instruct OUT --dtype float16` converts it from its
     GGUF (the route the GPU section of the README gives; once: about 10 s of CPU): with float16,
     fetch-model's default weights are fp32's, dequantized."""
@@ -224,14 +224,14 @@ SMOLLM2_LOGIT_TOLERANCE = 0.15
 a 36-token prompt and 16 answer tokens."""
 
 
-def test_a_gguf_converts_to_float16_and_answers_as_float32(smollm2_fp32, smollm2_float16, load_engine):
+def test_a_gguf_converts_to_float16_and_answers_as_float32(smollm2, smollm2_float16, load_engine):
     import json
 
     (graph,) = graphs(smollm2_float16)
     assert set(float_types(graph).values()) == {TensorProto.FLOAT16}
     reference = json.loads((Path(__file__).parent / "fixtures" / "smollm2" / "llama_cpp_reference.json").read_text())
     france, bicycle = reference["greedy"][:2]
-    e16, e32 = load_engine(smollm2_float16), load_engine(smollm2_fp32)
+    e16, e32 = load_engine(smollm2_float16), load_engine(smollm2)
     # llama.cpp's answer, as the float32 folder gives it (tests/test_real_model.py).
     assert collect(e16, GenerationRequest(prompt_token_ids=france["prompt_ids"], max_new_tokens=32))[0] == \
         france["greedy_ids"]

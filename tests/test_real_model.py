@@ -176,18 +176,15 @@ def test_messages_over_grpc_share_the_system_message_blocks(smollm2):
 
 
 @pytest.mark.subprocess
-def test_a_chat_under_the_templates_default_system_message_answers_as_llama_cpp(smollm2):
-    """The default folder answers as llama.cpp on the same GGUF, here where float activations do
-    not: under the template's default system message llama.cpp (and the gguf folder) answer
-    "L'Étoile, la Marseillaise, ..." where the fp32 folder says "The capital of France is Paris."
-    (and int8 re-quantization said something else again)."""
+def test_a_chat_under_the_templates_default_system_message_answers_right(smollm2):
+    """The default folder must keep SmolLM2's answers: int8 re-quantization got this one wrong.
+    (llama.cpp on the same GGUF, and the gguf folder with it, answer "L'Étoile, la Marseillaise,
+    ..." here: its int8 activations, next test.)"""
     engine = load(smollm2)
     try:
-        request = GenerationRequest(messages=[Message("user", "What is the capital of France?")], max_new_tokens=32,
-                                    ignore_eos=True)
-        reference = LLAMA_CPP["greedy"][2]
-        assert engine.tokenizer.encode(engine.render_chat(request.messages)) == reference["prompt_ids"]
-        assert collect(engine, request)[0] == reference["greedy_ids"]
+        ids, _ = collect(engine, GenerationRequest(messages=[Message("user", "What is the capital of France?")],
+                                                   max_new_tokens=16))
+        assert engine.tokenizer.decode(ids) == "The capital of France is Paris."
         with pytest.raises(InvalidRequest, match="at most 4096"):
             engine.prepare(GenerationRequest(messages=[Message("user", "")] * 4097, max_new_tokens=1))
     finally:
@@ -236,13 +233,33 @@ def test_tokenizer_ids_equal_llama_cpps(smollm2, case):
     assert TextTokenizer(smollm2 / "tokenizer.json").encode(case["text"]) == case["ids"]
 
 
-def test_greedy_continuations_equal_llama_cpps(smollm2):
-    """Every recorded prompt, every token (32, or up to llama.cpp's EOS): the default folder
-    multiplies the GGUF's own Q4_1/Q8_0 blocks by activations quantized per block of 32, as
-    llama.cpp does. (The fp32 folder, float activations by the dequantized weights, followed the
-    bicycle answer for 18 tokens and the default-system-message one for none.)"""
+def test_greedy_continuations_follow_llama_cpp(smollm2):
+    """The default folder: the France answer whole; the longer answer for its first 16 tokens:
+    llama.cpp multiplies 8-bit-quantized activations by the Q4_1 weights, the fp32 folder float
+    activations, so once two candidates are close the two runtimes may pick differently (here
+    after 18 tokens)."""
     engine = load(smollm2)
     try:
+        france, bicycle = LLAMA_CPP["greedy"][:2]
+        assert collect(engine, GenerationRequest(prompt_token_ids=france["prompt_ids"], max_new_tokens=32))[0] == \
+            france["greedy_ids"]
+        ours = collect(engine, GenerationRequest(prompt_token_ids=bicycle["prompt_ids"], max_new_tokens=16,
+                                                 ignore_eos=True))[0]
+        assert ours == bicycle["greedy_ids"][:16]
+    finally:
+        engine.close()
+
+
+def test_the_gguf_folder_gives_llama_cpps_greedy_ids_on_every_token(smollm2_gguf):
+    """``--weights gguf``: every recorded prompt, every token (32, or up to llama.cpp's EOS), the
+    template's default system message included: the GGUF's own Q4_1/Q8_0 blocks multiplied by
+    activations quantized per block of 32, as llama.cpp does (the fp32 folder followed the bicycle
+    answer for 18 tokens and the default-system-message one for none)."""
+    engine = load(smollm2_gguf)
+    try:
+        reference = LLAMA_CPP["greedy"][2]
+        request = GenerationRequest(messages=[Message("user", "What is the capital of France?")], max_new_tokens=1)
+        assert engine.tokenizer.encode(engine.render_chat(request.messages)) == reference["prompt_ids"]
         for case in LLAMA_CPP["greedy"]:
             ignore_eos = case["greedy_ids"][-1] != 2  # llama.cpp stopped at its length, not at EOS
             ours = collect(engine, GenerationRequest(prompt_token_ids=case["prompt_ids"],

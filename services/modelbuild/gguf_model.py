@@ -134,8 +134,18 @@ def _read(path: Path, keep_blocks: bool) -> GGUFModel:
 
     weights: dict[str, np.ndarray] = {}
     blocks: dict[str, QuantBlocks] = {}
+    expected = reader.data_offset
     for tensor in reader.tensors:
-        values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        # llama.cpp's loader refuses data that is not packed in order, each tensor padded to the
+        # alignment: a header whose offsets overlap or leave gaps lies about a tensor.
+        if tensor.data_offset != expected:
+            raise GGUFError(f"tensor {tensor.name} has its data at offset {tensor.data_offset}, expected {expected} "
+                            "(overlapping or misplaced tensor data)")
+        expected += -(-int(tensor.n_bytes) // reader.alignment) * reader.alignment
+        with np.errstate(all="ignore"):
+            values = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        if not np.isfinite(values).all():
+            raise GGUFError(f"tensor {tensor.name} holds NaN or infinite values")
         quantized = blocks_of(tensor.tensor_type.name, tensor.data, *values.shape) if keep_blocks and values.ndim == 2 else None
         if quantized is not None:
             builder, quantized = mapping.blocks(tensor.name, quantized, shape)
