@@ -342,8 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="convert this Llama or Gemma 3 GGUF (llama.cpp's format) instead: real weights")
     build.add_argument("--weights", choices=GGUF_WEIGHTS, default="fp32",
                        help="with --from-gguf: fp32 (dequantized), gguf (the file's own Q4_0/Q4_1/Q8_0 blocks as "
-                            "MatMulNBits, other block types dequantized), or int8 (re-quantized to 8 bits; it changed "
-                            "SmolLM2's answers); see the README")
+                            "MatMulNBits with int8 activations, other block types dequantized), or int8 (re-quantized to "
+                            "8 bits; it changed SmolLM2's answers); see the README")
     build.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="element type of the weights, activations, K/V and logits (bfloat16: float32 logits), "
                             "as ONNX Runtime GenAI's fp16/bf16 models; with --weights int8, of everything but the "
@@ -362,9 +362,11 @@ def build_parser() -> argparse.ArgumentParser:
     fetch.add_argument("out_dir", type=Path, nargs="?", default=None,
                        help="folder to write (unset: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
     fetch.add_argument("--weights", choices=GGUF_WEIGHTS, default=None,
-                       help="matmul weights of the folder (GGUF models only): gguf (the file's own quantized blocks), "
-                            "fp32 (dequantized) or int8 (re-quantized, less exact); unset: the model's default, "
-                            "which fetch-model names (gguf for SmolLM2 with --dtype float32, else fp32); see the README")
+                       help="matmul weights of the folder (GGUF models only): fp32 (dequantized), gguf (the file's own "
+                            "quantized blocks: about twice as fast on a CPU, llama.cpp's answers, but int8 activations "
+                            "make answers depend on how a prompt is split between cache and compute) or int8 "
+                            "(re-quantized, less exact); unset: the model's default, which fetch-model names; see the "
+                            "README")
     fetch.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="element type of the folder (as build-model's --dtype): float16 for --device cuda, "
                             "whose attention has no float32 kernel")

@@ -110,3 +110,17 @@ def test_fetch_model_defaults_to_the_folder_that_keeps_the_caches_guarantee():
     assert default_weights("smollm2-135m-instruct", "float16") == "fp32"  # measured on the CPU only
     assert default_weights("gemma-3-270m") == "fp32"  # its Q4_K/Q6_K blocks are not mapped
     assert all(entry.default_weights in entry.weights for entry in CATALOGUE.values())
+
+
+def test_a_graph_that_quantizes_activations_is_recognised(folders):
+    """What ``--cache-dtype auto`` and answer publishing go by: MatMulNBits at accuracy level 4
+    (the gguf folder), or a dynamic quantization node (``quantize_dynamic``); not float matmuls."""
+    from onnx import helper
+
+    from services.runtime.layer_windows import quantizes_activations
+    from services.runtime.model_spec import load_model_spec
+
+    gguf, fp32 = folders
+    assert load_model_spec(gguf).quantized_activations and not load_model_spec(fp32).quantized_activations
+    dynamic = helper.make_graph([helper.make_node("DynamicQuantizeLinear", ["x"], ["q", "scale", "zero"])], "g", [], [])
+    assert quantizes_activations(dynamic)

@@ -259,16 +259,15 @@ class Engine:
         here, later ones 56-82 ms). Nothing it does changes what a request computes or reads."""
 
         def run() -> None:
-            started = time.perf_counter()
+            started, store = time.perf_counter(), f"store checked (up to {connections} connections opened)"
             try:
                 self.store.ping(connections)
             except Exception as exc:  # noqa: BLE001 - a store down at start is the breaker's business, not this one's
-                log.info("warm-up: the store did not answer (%s); its connections open on first use", type(exc).__name__)
+                store = f"the store did not answer ({type(exc).__name__}): its connections open on first use"
             prepare_casts(self.storage_dtype, self.session.kv_dtype)
             faulted = self.runner.prefault(prefault_tokens)
-            log.info("warm-up: store checked (up to %d connections opened), %.0f MB of slot memory faulted in "
-                     "(--prefault-tokens %d) in %.2f s", connections, faulted / 1e6, prefault_tokens,
-                     time.perf_counter() - started)
+            log.info("warm-up: %s, %.0f MB of slot memory faulted in (--prefault-tokens %d) in %.2f s", store,
+                     faulted / 1e6, prefault_tokens, time.perf_counter() - started)
 
         thread = threading.Thread(target=run, name="warm-up", daemon=True)
         thread.start()

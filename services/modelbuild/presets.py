@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODEL_DTYPES = ("float32", "float16", "bfloat16")
-GGUF_WEIGHTS = ("gguf", "fp32", "int8")
-"""A converted GGUF's matmul weights: its own quantized blocks (services/modelbuild/gguf_blocks.py),
-dequantized float32, or re-quantized to 8 bits by ONNX Runtime's quantizer."""
 """The element types of `kvshare build-model --dtype`: the builders make float32 graphs and
 services/modelbuild/graph_dtype.py converts them to the others (here, not there, so that the CLI
 lists them without importing onnx)."""
+GGUF_WEIGHTS = ("fp32", "gguf", "int8")
+"""A converted GGUF's matmul weights: dequantized float32, its own quantized blocks
+(services/modelbuild/gguf_blocks.py), or re-quantized to 8 bits by ONNX Runtime's quantizer."""
 
 
 ACTIVATIONS = ("silu", "gelu_tanh")

@@ -47,11 +47,19 @@ def read_layer_windows(graph: onnx.GraphProto, present_keys: list[str]) -> Layer
     return LayerWindows(window=sizes.pop(), layers=tuple(sorted(windows)))
 
 
+_QUANTIZING_OPS = {("", "DynamicQuantizeLinear"), (MS_DOMAIN, "DynamicQuantizeMatMul"),
+                   (MS_DOMAIN, "DynamicQuantizeLSTM"), (MS_DOMAIN, "MatMulIntegerToFloat")}
+"""Nodes that quantize activations at run time whatever their attributes (ONNX Runtime's
+``quantize_dynamic`` writes them)."""
+
+
 def quantizes_activations(graph: onnx.GraphProto) -> bool:
     """Whether a matmul of ``graph`` rounds its activations to 8 bits (``MatMulNBits`` with
-    ``accuracy_level`` 4, as ``--weights gguf`` and ``int8`` folders have). Such a graph turns a
+    ``accuracy_level`` 4, as ``--weights gguf`` and ``int8`` folders have, or the dynamic
+    quantization nodes of ``_QUANTIZING_OPS``). Such a graph turns a
     small change of its K/V into whole quantization steps of the next activations: SmolLM2 (gguf)
     answered from float16-stored K/V with logits up to 0.83 from computing, from float32-stored
     K/V identically, so the store keeps float32 for it (``--cache-dtype auto``)."""
-    return any(node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN and
-               any(a.name == "accuracy_level" and a.i == 4 for a in node.attribute) for node in graph.node)
+    return any((node.domain, node.op_type) in _QUANTIZING_OPS or
+               (node.op_type == "MatMulNBits" and node.domain == MS_DOMAIN and
+                any(a.name == "accuracy_level" and a.i == 4 for a in node.attribute)) for node in graph.node)
