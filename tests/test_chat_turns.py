@@ -79,6 +79,16 @@ def wait_for_keys(client, count: int, what: str) -> None:
     assert stored_values(client) == count, f"{what}: {stored_values(client)} values, expected {count}"
 
 
+def after_turn_one(stub, client, turn1: list[pb.ChatMessage], prompt_tokens: int, what: str) -> None:
+    """Publishes turn 1's prompt again under another salt, scheduled after turn 1 ended on the
+    replica's single write thread, and waits until it landed: anything turn 1 had scheduled would
+    have landed before it. Redis then holds turn 1's prompt blocks twice over, and nothing else."""
+    sentinel = complete(stub, pb.GenerateRequest(messages=turn1, max_new_tokens=1, cache=pb.CacheOptions(salt="x")),
+                        TIMEOUT_S)
+    assert sentinel.last.usage.cached_prompt_tokens == 0
+    wait_for_keys(client, 2 * (prompt_tokens // B), what)
+
+
 def generate(stub, messages, max_new_tokens: int, **cache) -> tuple[list[int], str, pb.GenerateResponse, list]:
     """Greedy; returns (token ids, text, last message, top-2 log-probabilities of each token)."""
     request = pb.GenerateRequest(messages=messages, max_new_tokens=max_new_tokens, logprobs=True, top_logprobs=2,
@@ -141,12 +151,7 @@ def test_skip_write_on_turn_one_publishes_nothing_of_the_answer(smollm2, redis_s
         assert last.finish_reason in (pb.FINISH_REASON_EOS, pb.FINISH_REASON_LENGTH)
         assert last.usage.cached_prompt_tokens == len(prompt1) // B * B
         assert (len(prompt1) + len(answer) - 1) // B > len(prompt1) // B, "the answer would fill a block"
-        # A publish scheduled after turn 1 ended, on A's single write thread: once it has landed,
-        # anything turn 1 had scheduled would have landed before it.
-        sentinel = complete(a, pb.GenerateRequest(messages=turn1, max_new_tokens=1, cache=pb.CacheOptions(salt="x")),
-                            TIMEOUT_S)
-        assert sentinel.last.usage.cached_prompt_tokens == 0
-        wait_for_keys(client, 2 * (len(prompt1) // B), "the sentinel's blocks (and nothing of the answer)")
+        after_turn_one(a, client, turn1, len(prompt1), "the sentinel's blocks (and nothing of the answer)")
 
         turn2 = chat(("system", SYSTEM), ("user", QUESTION), ("assistant", text), ("user", FOLLOW_UP))
         done = complete(b, pb.GenerateRequest(messages=turn2, max_new_tokens=1), TIMEOUT_S)
@@ -164,11 +169,7 @@ def test_a_model_that_quantizes_activations_publishes_no_answer_and_turn_two_equ
         answer, text, last, _ = generate(a, turn1, 48)
         assert last.usage.cached_prompt_tokens == 0
         assert (len(prompt1) + len(answer) - 1) // B > len(prompt1) // B, "the answer would fill a block"
-        # Ordered after turn 1 on A's single write thread (see the test above).
-        sentinel = complete(a, pb.GenerateRequest(messages=turn1, max_new_tokens=1, cache=pb.CacheOptions(salt="x")),
-                            TIMEOUT_S)
-        assert sentinel.last.usage.cached_prompt_tokens == 0
-        wait_for_keys(client, 2 * (len(prompt1) // B), "turn 1's prompt and the sentinel's blocks, no answer")
+        after_turn_one(a, client, turn1, len(prompt1), "turn 1's prompt and the sentinel's blocks, no answer")
 
         turn2 = chat(("system", SYSTEM), ("user", QUESTION), ("assistant", text), ("user", FOLLOW_UP))
         warm_ids, _, warm_last, _ = generate(b, turn2, 32)
