@@ -30,10 +30,11 @@ def _faults_writing(view: np.ndarray, value: float) -> int:
 def test_the_first_row_is_faulted_in_unchanged_and_then_writes_fault_nothing(tiny_model):
     """Row 0 (the row ``acquire`` hands out first) after ``prefault``: its values are what they
     were (a value written before is still there: the kernel populates, it does not zero), and
-    writing its first positions faults no page; the same positions of the last row, never
-    touched, do fault. (Not row 1: numpy asks for transparent huge pages on large arrays, and a
-    2 MiB page of row 0 may hold row 1's positions too; with huge pages one fault may cover
-    several runs, so the count is only known to be positive.)"""
+    writing its first positions faults no page; the same positions of a middle row, never
+    touched, do fault. (Not a neighbour of a row 0: numpy asks for transparent huge pages on large
+    arrays, and a 2 MiB page around row 0 of one layer may hold row 1, or the previous layer's last
+    row; with huge pages one fault may cover several runs, so the count is only known to be
+    positive.)"""
     spec = load_model_spec(tiny_model)
     # 24 rows of 8,192 positions: a buffer past the largest mmap threshold glibc adapts to (32
     # MiB), so its pages are fresh (a smaller one may come from the heap, zeroed by writing:
@@ -41,7 +42,7 @@ def test_the_first_row_is_faulted_in_unchanged_and_then_writes_fault_nothing(tin
     slots = open_slots(DecoderSession(spec, "cpu", 1), 24, 8192)
     assert isinstance(slots, SharedSlots)
     tokens = 256
-    row0, far = slots._kv[:, :, 0, :, :tokens], slots._kv[:, :, -1, :, :tokens]
+    row0, far = slots._kv[:, :, 0, :, :tokens], slots._kv[:, :, 12, :, :tokens]  # 12 MiB from any row 0
     row0[0, 0, 0, 5, 3] = 7.0
     assert slots.prefault(tokens) == row0.nbytes
     assert row0[0, 0, 0, 5, 3] == 7.0 and np.count_nonzero(row0) == 1
