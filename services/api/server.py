@@ -30,6 +30,7 @@ from services.http.app import tls_context
 from services.http.local_front import LocalFront
 from services.runtime.device_arrays import open_device
 from services.runtime.device_choice import DeviceChoice
+from services.serving.announce import announce
 from services.serving.graceful import serve_until_signalled
 
 log = logging.getLogger(__name__)
@@ -229,9 +230,9 @@ async def serve(settings: Settings) -> None:
             engine.close()
             raise
         # Tests and scripts read this line to learn the port when --http-port 0 was given.
-        print(f"kvshare http listening on {settings.host}:{http_port}", flush=True)
+        announce(f"kvshare http listening on {settings.host}:{http_port}")
     # Tests and scripts read this line to learn the port when --port 0 was given.
-    print(f"kvshare listening on {settings.host}:{port}", flush=True)
+    announce(f"kvshare listening on {settings.host}:{port}")
     log.info("serving %s (%s, %s) on %s:%d (%s%s)", engine.spec.name, engine.session.device_name,
              engine.session.execution_provider, settings.host, port,
              "plaintext" if credentials is None else "TLS" if settings.tls_client_ca_file is None else "mutual TLS",

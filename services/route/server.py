@@ -23,6 +23,7 @@ from services.route.upstreams import (
     StaticWorkers,
     UpstreamSet,
 )
+from services.serving.announce import announce
 from services.serving.graceful import serve_until_signalled
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ async def serve(settings: RouteSettings) -> None:
     await upstreams.start()
     await server.start()
     # Tests and scripts read this line to learn the port when --port 0 was given.
-    print(f"kvshare listening on {settings.host}:{port}", flush=True)
+    announce(f"kvshare listening on {settings.host}:{port}")
     if front is not None:
         try:
             http_port = await front.start(settings.host, settings.http_port, None)
@@ -80,7 +81,7 @@ async def serve(settings: RouteSettings) -> None:
             await server.stop(None)
             await upstreams.close()
             raise
-        print(f"kvshare http listening on {settings.host}:{http_port}", flush=True)
+        announce(f"kvshare http listening on {settings.host}:{http_port}")
     log.info("routing on %s:%d to %d worker(s) (%d healthy), by the first %d bytes of each prompt%s",
              settings.host, port, len(upstreams.members), len(upstreams.healthy()), settings.route_prefix_bytes,
              f", at most {settings.max_streams_per_worker} streams per worker" if settings.max_streams_per_worker else "")
