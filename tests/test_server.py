@@ -274,7 +274,7 @@ def test_sigterm_reports_not_serving_then_drains(model_dirs):
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         t.join(60)
         assert result["last"].finish_reason == pb.FINISH_REASON_LENGTH, "the in-flight stream was drained"
-        assert w.stop() == 0
+        assert w.wait(30) == 0  # it exits by itself once drained: SIGTERM was its one signal
 
 
 def test_generate_cli_streams_text_and_reports_usage(worker):

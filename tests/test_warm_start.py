@@ -30,25 +30,33 @@ def _faults_writing(view: np.ndarray, value: float) -> int:
 def test_the_first_row_is_faulted_in_unchanged_and_then_writes_fault_nothing(tiny_model):
     """Row 0 (the row ``acquire`` hands out first) after ``prefault``: its values are what they
     were (a value written before is still there: the kernel populates, it does not zero), and
-    writing its first positions faults no page; the same positions of a middle row, never
-    touched, do fault. (Not a neighbour of a row 0: numpy asks for transparent huge pages on large
-    arrays, and a 2 MiB page around row 0 of one layer may hold row 1, or the previous layer's last
-    row; with huge pages one fault may cover several runs, so the count is only known to be
-    positive.)"""
+    writing its first positions faults no page."""
     spec = load_model_spec(tiny_model)
-    # 24 rows of 8,192 positions: a buffer past the largest mmap threshold glibc adapts to (32
-    # MiB), so its pages are fresh (a smaller one may come from the heap, zeroed by writing:
-    # already faulted in).
     slots = open_slots(DecoderSession(spec, "cpu", 1), 24, 8192)
     assert isinstance(slots, SharedSlots)
     tokens = 256
-    row0, far = slots._kv[:, :, 0, :, :tokens], slots._kv[:, :, 12, :, :tokens]  # 12 MiB from any row 0
+    row0 = slots._kv[:, :, 0, :, :tokens]
     row0[0, 0, 0, 5, 3] = 7.0
     assert slots.prefault(tokens) == row0.nbytes
     assert row0[0, 0, 0, 5, 3] == 7.0 and np.count_nonzero(row0) == 1
     assert slots.acquire(tokens).index == 0
     assert _faults_writing(row0, 1.0) == 0
-    assert _faults_writing(far, 1.0) > 0
+
+
+def test_populate_faults_in_fresh_memory_that_writing_would_fault():
+    """The counter's control, on memory known to be fresh and of small pages (an anonymous map,
+    no huge pages asked for; numpy's large arrays ask for them, and a huge page may hold what a
+    test thought untouched): writing half of it faults a page at a time; after ``populate``, the
+    other half faults none."""
+    import mmap
+
+    pages = 256
+    with mmap.mmap(-1, pages * mmap.PAGESIZE) as memory:
+        array = np.frombuffer(memory, np.float32).reshape(2, pages // 2, mmap.PAGESIZE // 4)
+        assert _faults_writing(array[0], 1.0) >= pages // 2
+        assert populate(array[1:]) == array[1].nbytes
+        assert _faults_writing(array[1], 1.0) == 0
+        del array
 
 
 def test_populate_refuses_nothing_it_cannot_do():

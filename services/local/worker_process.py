@@ -98,6 +98,13 @@ class ServerProcess:
             return grpc.insecure_channel(self.target)
         return grpc.secure_channel(self.target, self.credentials)
 
+    def wait(self, timeout_s: float) -> int:
+        """Waits for the process to exit by itself (after a signal the caller sent it: a second
+        SIGTERM while it is already shutting down could find Python's default handler) and
+        returns its exit code; subprocess.TimeoutExpired past ``timeout_s``."""
+        self._process.wait(timeout_s)
+        return self.stop()
+
     def stop(self, timeout_s: float = 15.0) -> int:
         """SIGTERM, wait, then SIGKILL if needed; returns the exit code."""
         if self._process.poll() is None:
