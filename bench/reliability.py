@@ -25,7 +25,7 @@ def main() -> int:
     rows += [(r.name, r.conditions, r.summary.sent, r.summary.failed_text, r.summary.wrong,
               f"TTFT p50 {r.summary.ttft_p50_ms:.0f} ms, p99 {r.summary.ttft_p99_ms:.0f} ms; "
               f"{r.summary.tokens_per_s:.0f} tokens/s; "
-              + (f"slowest refusal {r.refused_ms:.0f} ms; " if r.refused_ms else "")
+              + ("refusal p50 / p99 / max {:.0f} / {:.0f} / {:.0f} ms; ".format(*r.refused_ms) if r.refused_ms else "")
               + f"worker RSS {r.rss.text} MiB") for r in load_results]
     print_table(f"Reliability, model {model.name}", ("case", "conditions", "requests", "not OK, by status", "wrong", "notes"),
                 rows)

@@ -29,6 +29,7 @@ from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.api_keys import ApiKeys
 from services.engine.encoder_input import EncoderFeatures, EncoderRequest
 from services.engine.engine import Engine
+from services.engine.fair_share import FORWARDED_ADDRESS, client_of
 from services.engine.generation import (
     BeamSearch,
     CacheControl,
@@ -110,7 +111,8 @@ def suppressed_ids(ids) -> list[int] | None:
     return list(ids[: MAX_SUPPRESS_TOKEN_IDS + 1])
 
 
-def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: str = "") -> GenerationRequest:
+def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: str = "",
+                   client: str = "") -> GenerationRequest:
     sampling = request.sampling
     return GenerationRequest(
         prompt=request.prompt or None,
@@ -143,6 +145,7 @@ def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: s
             skip_read=request.cache.skip_read, skip_write=request.cache.skip_write, salt=request.cache.salt
         ),
         tenant=tenant,
+        client=client,
         min_new_tokens=request.min_new_tokens,
         stop_token_ids=list(request.stop_token_ids[: MAX_STOP_TOKEN_IDS + 1]),
         include_stop_str_in_output=request.include_stop_str_in_output,
@@ -224,11 +227,18 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                                   "with a key the worker's --api-keys-file lists")
         return tenant
 
+    @staticmethod
+    def _client(context: grpc.aio.ServicerContext, tenant: str) -> str:
+        """Whose fair share the call counts against (``fair_share.client_of``)."""
+        forwarded = next((v for k, v in context.invocation_metadata() or () if k == FORWARDED_ADDRESS), None)
+        return client_of(tenant, context.peer() or "", forwarded if isinstance(forwarded, str) else None)
+
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
             # aclosing: when the call is cancelled while this handler waits to send, the engine's
             # stream is closed now (halting its token loop), not whenever it is collected.
-            generation = engine_request(request, self._engine.limits.stop_strings, self._tenant(context))
+            tenant = self._tenant(context)
+            generation = engine_request(request, self._engine.limits.stop_strings, tenant, self._client(context, tenant))
             async with contextlib.aclosing(self._engine.generate(generation)) as stream:
                 async for chunk in stream:
                     yield response_message(chunk)

@@ -35,6 +35,7 @@ from cachestore.stats import CacheStats
 from cachestore.storage_dtype import DEFAULT as DEFAULT_CACHE_DTYPE
 from cachestore.storage_dtype import resolve, storage_dtype
 from cachestore.store import KVStore
+from services.engine.fair_share import ClientShares
 from services.engine.generation import (
     GenerationChunk,
     GenerationRequest,
@@ -110,6 +111,9 @@ class EngineOptions:
     """Stop strings per request."""
     max_stop_string_bytes: int = 256
     """UTF-8 bytes of one stop string."""
+    max_answer_bytes: int = 32 * 1024 * 1024
+    """The largest message the faces send (``--max-message-bytes``): a Tokenize call whose answer
+    could be larger is refused before any work."""
     tokenizer_threads: int = 2
     """Threads that render chat templates, tokenize and build stop automata, off the event loop."""
     audio_threads: int = 1
@@ -177,18 +181,20 @@ class Engine:
                                      layer_order=spec.layer_order if shared_rows else tuple(range(spec.num_layers)),
                                      split_windows=(options.window_fetch and shared_rows
                                                     and spec.windows.window >= options.block_size))
+        shares = ClientShares(scheduling.max_client_rows)
         self.runner = ModelRunner(session, encoder, scheduling.max_batch, spec.context_length,
-                                  self.connector.worker_side, pace, scheduling.max_unread_tokens)
+                                  self.connector.worker_side, pace, shares)
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
         self.scheduler = Scheduler(self.runner, self.connector.scheduler_side, scheduling, self._read_pool)
         self._off_loop = OffLoop(options.tokenizer_threads)
         self._audio_loop = BoundedOffLoop(options.audio_threads, options.max_audio_requests,
                                           f"requests with audio (--max-audio-requests {options.max_audio_requests}) are")
         self.limits = limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
-                                 options.max_stop_string_bytes)
+                                 options.max_stop_string_bytes, options.max_answer_bytes)
         self.inputs = InputProcessor(spec, session, encoder, tokenizer, self.limits, options.max_new_tokens_cap,
-                                     scheduling.max_batch, self._off_loop, self._audio_loop)
-        self.outputs = OutputProcessor(tokenizer, self._off_loop, scheduling.max_unread_tokens)
+                                     scheduling.max_batch, self._off_loop, self._audio_loop,
+                                     (scheduling.max_unread_tokens, scheduling.max_unread_bytes))
+        self.outputs = OutputProcessor(tokenizer, self._off_loop)
         # What tests, benchmarks and metrics read: each room's own object, not a copy.
         self.slots, self.encoder = self.runner.slots, self.runner.encoder
         self.waits, self.prefix, self.cross = self.connector.waits, self.connector.prefix, self.connector.cross
@@ -203,10 +209,11 @@ class Engine:
         if options.prefix_fetch is PrefixFetch.AUTO and not session.on_host:
             log.info("prefix fetch: a cached run expected faster to compute than to fetch is computed "
                      "(--prefix-fetch auto, on a device)")
-        log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step", scheduling.max_batch,
-                 "one batched decode run per step" if self.slots.batched
+        log.info("scheduler: %d slots (%s), %d queued at most, %d prefill tokens per step, %s",
+                 scheduling.max_batch, "one batched decode run per step" if self.slots.batched
                  else "each row runs batch 1: this graph has no shared GQA past/present buffer",
-                 scheduling.max_queued, scheduling.max_prefill_tokens_per_step)
+                 scheduling.max_queued, scheduling.max_prefill_tokens_per_step,
+                 f"at most {shares.max_rows} rows per client" if shares.max_rows else "fair shares between clients")
         log.info("K/V slots on %s (%s): %d x %d tokens, %d bytes", session.device_name, session.execution_provider,
                  scheduling.max_batch, spec.context_length, self.slot_bytes)
 
@@ -310,13 +317,17 @@ class Engine:
         before the first chunk. Closing the stream (cancel, deadline, client gone) frees every
         slot of the request at the scheduler's next step."""
         t0 = time.perf_counter()
-        # A full worker refuses before the work of preparing (audio: up to a second of decoding);
-        # admission proper comes after it, as the scheduler may have filled meanwhile.
-        self.scheduler.check_room(request.rows)
-        prepared = await self.inputs.prepare_async(request)
-        rows = self.inputs.rows(request, prepared, t0, lambda cache, count: self.connector.states(
-            cache, request.tenant, prepared.encoder_input, count))
-        self.scheduler.submit(rows)
+        # A full worker, or a client over its share, is refused before the work of preparing
+        # (tokenizing; audio: up to a second of decoding): the rows are held from here on.
+        reservation = self.scheduler.reserve(request.client, request.rows)
+        try:
+            prepared = await self.inputs.prepare_async(request)
+            rows = self.inputs.rows(request, prepared, t0, lambda cache, count: self.connector.states(
+                cache, request.tenant, prepared.encoder_input, count))
+            self.scheduler.submit(rows, reservation)
+        except BaseException:
+            self.scheduler.cancel(reservation)
+            raise
         self.stats.started += 1
         self.stats.active += 1
         ended = StreamEnd()

@@ -84,6 +84,9 @@ class GenerationRequest:
     tenant: str = ""
     """The caller's tenant, from its authenticated credentials (never from a request field); it
     enters the cache namespace, so tenants never share blocks."""
+    client: str = ""
+    """Whose share the request counts against (``fair_share.client_of``: its tenant, else its
+    address); "" for in-process callers."""
     return_logits: bool = False
     """Attach each generated position's logits to the chunks (engine-level checks; not in the API)."""
     min_new_tokens: int = 0

@@ -32,6 +32,7 @@ from services.engine.generation import (
 from services.engine.kv_connector.state import SequenceKV
 from services.engine.logprobs import MAX_TOP_LOGPROBS
 from services.engine.off_loop import OffLoop
+from services.engine.output_processor import unread_limit
 from services.engine.penalties import LogitsAdjuster
 from services.engine.request_limits import RequestLimits
 from services.engine.sampling import Sampler
@@ -61,7 +62,7 @@ SUPPRESS_FIELDS = ("suppress_token_ids", "begin_suppress_token_ids")
 class InputProcessor:
     def __init__(self, spec: ModelSpec, decoder: DecoderSession, encoder: EncoderSession | None,
                  tokenizer: TextTokenizer, limits: RequestLimits, max_new_tokens_cap: int, max_rows: int,
-                 off_loop: OffLoop, audio_loop: OffLoop) -> None:
+                 off_loop: OffLoop, audio_loop: OffLoop, unread: tuple[int, int] = (256, 64 * 1024)) -> None:
         self.spec = spec
         self._decoder = decoder
         self._encoder = encoder
@@ -70,6 +71,8 @@ class InputProcessor:
         self.max_new_tokens_cap = max_new_tokens_cap
         self.max_rows = max_rows
         """Rows one request may hold (n samples, beams): the worker's batch."""
+        self.unread = unread
+        """(tokens, bytes) a consumer may leave unread before its row pauses (``unread_limit``)."""
         self._off_loop = off_loop
         self._audio_loop = audio_loop
         """Where a request with audio is prepared instead: decoding it never delays text requests."""
@@ -129,7 +132,7 @@ class InputProcessor:
         """The Tokenize call: text or messages to ids, or ids to text; returns ``shape(result)``.
         Sizes are checked on the event loop; the rest, ``shape`` included, runs on a tokenizer
         thread: turning a million ids into the caller's message must not hold the loop."""
-        self.limits.check_prompt("text", request.text, request.messages)
+        self.limits.check_tokenize(request)
         return await self._off_loop.run(lambda r: shape(self._tokenize(r)), request)
 
     def rows(self, request: GenerationRequest, prepared: PreparedRequest, t0: float,
@@ -146,6 +149,7 @@ class InputProcessor:
         request_id = request.request_id or uuid.uuid4().hex
         ready = asyncio.Event()
         loop = asyncio.get_running_loop()
+        unread = unread_limit(*self.unread, request.logprobs, request.top_logprobs)
         rows = []
         for i, kv in enumerate(kv_states(cache, count)):
             sampling = request.sampling
@@ -174,6 +178,8 @@ class InputProcessor:
                 prompt_logprobs=[] if request.prompt_logprobs and i == 0 else None,
                 index=i,
                 ready=ready,
+                client=request.client,
+                unread_limit=unread,
             ))
         if count > 1:
             group = SequenceGroup(rows, BeamState(beams, eos | stop_ids) if beams.on else None,

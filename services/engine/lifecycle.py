@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from services.engine.fair_share import ClientShares
 from services.engine.generation import FinishReason
 from services.engine.logprobs import token_logprobs
 from services.engine.sequence import Phase, Sequence
@@ -28,14 +29,14 @@ class Lifecycle:
     """The active sequences, the queue, the counters, and every sequence's end.
 
     ``release`` frees a slot (the runner's bank); ``save_answer`` publishes what a sequence that
-    ended normally computed, before its slot is freed (the KV connector's worker side)."""
+    ended normally computed, before its slot is freed (the KV connector's worker side); ``shares``
+    counts each client's rows, every row counted until ``finish``."""
 
     def __init__(self, release: Callable[[Slot], None], save_answer: Callable[[Sequence], None],
-                 max_unread_tokens: int) -> None:
+                 shares: ClientShares) -> None:
         self._release = release
         self._save_answer = save_answer
-        self.max_unread_tokens = max_unread_tokens
-        """A sequence whose consumer has this many tokens still to read sits out decode steps."""
+        self.shares = shares
         self.cond = threading.Condition()
         self.queue: deque[list[Sequence]] = deque()
         """Groups of rows (one request each) waiting for slots, in arrival order."""
@@ -63,7 +64,9 @@ class Lifecycle:
             self.cond.notify()
 
     def finish(self, seq: Sequence) -> None:
-        """Frees the sequence's slot (lock held or scheduler thread)."""
+        """Frees the sequence's slot and its place in its client's share (lock held or scheduler thread)."""
+        if seq.phase is not Phase.FINISHED:
+            self.shares.release(seq.client, 1)
         if seq.slot is not None:
             self._release(seq.slot)
             seq.slot = None
@@ -134,9 +137,10 @@ class Lifecycle:
         touched, self._touched = list(self._touched.values()), {}
         wake_consumers(touched)
 
-    def unread_full(self, seq: Sequence) -> bool:
-        """Whether the consumer has ``max_unread_tokens`` tokens still to read (the sequence pauses)."""
-        return len(seq.outbox) >= self.max_unread_tokens
+    @staticmethod
+    def unread_full(seq: Sequence) -> bool:
+        """Whether the consumer has ``seq.unread_limit`` tokens still to read (the sequence pauses)."""
+        return len(seq.outbox) >= seq.unread_limit
 
     @staticmethod
     def set_paused(seq: Sequence, paused: bool) -> None:

@@ -33,6 +33,17 @@ from services.runtime.tokenizer import TextTokenizer
 log = logging.getLogger(__name__)
 PROMPT_LOGPROBS_PER_CHUNK = 64
 """Prompt log-probabilities per chunk: with 20 alternatives each, about 20 KB a message."""
+TOKEN_BYTES = 8
+"""Bytes one generated token adds to a stream's messages, about: its id and its text."""
+LOGPROB_BYTES = 20
+"""Bytes one log-probability adds (id, value, text), the chosen token's and each alternative's."""
+
+
+def unread_limit(max_tokens: int, max_bytes: int, logprobs: bool, top_logprobs: int) -> int:
+    """Tokens a consumer may leave unread before its row pauses: ``max_tokens``, or fewer where
+    their messages would exceed ``max_bytes`` (a token with 20 alternatives is ~50x a plain one)."""
+    per_token = TOKEN_BYTES + (LOGPROB_BYTES * (1 + top_logprobs) if logprobs else 0)
+    return max(1, min(max_tokens, max_bytes // per_token))
 
 
 class RowControl(Protocol):
@@ -52,10 +63,9 @@ class StreamEnd:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: TextTokenizer, off_loop: OffLoop, max_unread_tokens: int) -> None:
+    def __init__(self, tokenizer: TextTokenizer, off_loop: OffLoop) -> None:
         self.tokenizer = tokenizer
         self._off_loop = off_loop
-        self._max_unread_tokens = max_unread_tokens
 
     async def stream(self, request: GenerationRequest, rows: list[Sequence], stops: StopMatcher | None,
                      control: RowControl, ended: StreamEnd) -> AsyncIterator[GenerationChunk]:
@@ -84,7 +94,7 @@ class OutputProcessor:
                 chunk = self._chunk(seq, items, texts[id(seq)], request)
                 if pieces:
                     chunk.prompt_logprobs = pieces[-1]
-                if len(items) >= self._max_unread_tokens:
+                if len(items) >= seq.unread_limit:
                     control.wake()  # it may have paused this sequence: it can decode again
                 if chunk.finish_reason is not None:
                     ended.finish = chunk.finish_reason

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.audio.wav import MAX_RATE, max_wav_bytes
-from services.engine.generation import GenerationRequest
-from services.errors import InvalidRequest
+from services.engine.generation import GenerationRequest, TokenizeRequest
+from services.errors import InvalidRequest, RequestOutOfRange
 from services.runtime.chat_template import Message
 from services.runtime.model_spec import ModelSpec
 from services.runtime.tokenizer import TextTokenizer, TokenBytes
@@ -28,6 +28,11 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_SALT_CHARS = 256
 """A cache salt names a group of requests; it is hashed into every block key of the request."""
 SHRINKING_TOKENIZER_FACTOR = 4
+MESSAGE_TEMPLATE_BYTES = 256
+"""Bytes a chat template is assumed to add around one message when a Tokenize answer's size is
+bounded before rendering (role markers and separators: SmolLM2's add 24)."""
+ID_BYTES = 5
+"""Bytes of one token id in a serialized answer at most (a varint below 2**35)."""
 """For a tokenizer that can drop or shorten text no prompt size bounds the tokens; the derived
 limit then allows this many times the exact bound of a tokenizer that keeps every byte."""
 
@@ -61,6 +66,20 @@ class RequestLimits:
     audio_seconds: float = 0.0
     """The longest ``encoder_audio`` the model takes, which bounds its bytes (``max_wav_bytes``);
     0 for a model that takes no audio (``encoder_array`` refuses it unread)."""
+    context_tokens: int = 0
+    """Tokens of the decoder's context: no prompt given as ids may hold as many (0: unchecked)."""
+    encoder_context_tokens: int = 0
+    """Tokens of the encoder's context (0: no encoder, or unchecked)."""
+    token_bytes: int = 0
+    """Most bytes of text one token decodes to (``TokenBytes.longest``): bounds a Tokenize answer."""
+    answer_bytes: int = 0
+    """The largest answer message the face may send (its --max-message-bytes); a Tokenize call whose
+    answer could be larger is refused before any work (0: unchecked)."""
+
+    @property
+    def token_ids(self) -> int:
+        """Ids one Tokenize call may decode: the longest context, since no prompt or answer holds more."""
+        return max(self.context_tokens, self.encoder_context_tokens)
 
     def check_generation(self, request: GenerationRequest) -> None:
         """Every size of a Generate request, in the order a client would fix them."""
@@ -70,6 +89,15 @@ class RequestLimits:
             raise InvalidRequest("cache.salt", f"{len(request.cache.salt)} characters; at most {MAX_SALT_CHARS}")
         self.check_prompt("prompt", request.prompt, request.messages)
         self.check_prompt("encoder_prompt", request.encoder.prompt, None)
+        # Counted, never turned into Python ints: a million ids would hold the GIL for a second.
+        ids, context = request.prompt_token_ids, self.context_tokens
+        if context and ids and len(ids) >= context:
+            raise RequestOutOfRange("prompt_token_ids", f"the prompt alone is {len(ids)} tokens; the context length of "
+                                    f"{context} tokens must hold it and at least one new token: shorten the prompt")
+        ids, context = request.encoder.token_ids, self.encoder_context_tokens
+        if context and ids and len(ids) > context:
+            raise RequestOutOfRange("encoder_prompt_token_ids",
+                                    f"{len(ids)} tokens exceed the encoder's context length of {context}")
         audio = request.encoder.audio
         if audio and self.audio_seconds and len(audio) > (most := max_wav_bytes(self.audio_seconds)):
             raise InvalidRequest("encoder_audio", f"{len(audio)} bytes; at most {most} (a WAV file of at most "
@@ -83,6 +111,26 @@ class RequestLimits:
             if (size := utf8_length(s)) > self.stop_string_bytes:
                 raise InvalidRequest(f"stop[{i}]", f"{size} bytes; at most {self.stop_string_bytes} (the worker's "
                                      "--max-stop-string-bytes, env KVSHARE_MAX_STOP_STRING_BYTES)")
+
+    def check_tokenize(self, request: TokenizeRequest) -> None:
+        """A Tokenize call's sizes, and the most bytes its answer could take: each input byte is at
+        most one id (of ``ID_BYTES``) beside the text echoed back, each id at most ``token_bytes``
+        of text; a chat template is assumed to add ``MESSAGE_TEMPLATE_BYTES`` per message."""
+        self.check_prompt("text", request.text, request.messages)
+        ids = request.token_ids or ()
+        if len(ids) > self.token_ids:
+            raise InvalidRequest("token_ids", f"{len(ids)} ids; at most {self.token_ids}, the model's context "
+                                 "length (no prompt or answer holds more): decode longer texts in parts")
+        if request.messages:
+            size = sum(utf8_length(m.role) + utf8_length(m.content) + MESSAGE_TEMPLATE_BYTES for m in request.messages)
+            worst, field = size * (1 + ID_BYTES), "messages"
+        elif ids:
+            worst, field = len(ids) * (self.token_bytes + ID_BYTES), "token_ids"
+        else:
+            worst, field = utf8_length(request.text or "") * (1 + ID_BYTES), "text"
+        if self.answer_bytes and worst > self.answer_bytes:
+            raise InvalidRequest(field, f"the answer could take {worst} bytes, more than the largest message this "
+                                 f"worker sends ({self.answer_bytes} bytes, its --max-message-bytes): send it in parts")
 
     def check_prompt(self, field: str, text: str | None, messages: Sequence[Message] | None) -> None:
         """A prompt given as ``text`` (refusals name ``field``) or as ``messages``."""
@@ -99,13 +147,14 @@ class RequestLimits:
 
 
 def limits_for(spec: ModelSpec, tokenizer: TextTokenizer, max_prompt_bytes: int, max_stop_strings: int,
-               max_stop_string_bytes: int) -> RequestLimits:
+               max_stop_string_bytes: int, answer_bytes: int = 0) -> RequestLimits:
     """The limits of a worker serving ``spec``: ``max_prompt_bytes`` as the operator set it, or 0
-    to derive the most text that can fit the model's (or its encoder's) context."""
+    to derive the most text that can fit the model's (or its encoder's) context; ``answer_bytes``
+    the face's largest message (0: Tokenize answers unchecked)."""
+    token_bytes = tokenizer.token_bytes()
     if max_prompt_bytes:
         prompt_bytes, origin = max_prompt_bytes, "set by the operator"
     else:
-        token_bytes = tokenizer.token_bytes()
         context = max(spec.context_length, (spec.encoder and spec.encoder.context_length) or 0)
         prompt_bytes = derived_prompt_bytes(context, token_bytes)
         origin = (f"the most text that can fit the model's context of {context} tokens, at most "
@@ -119,4 +168,6 @@ def limits_for(spec: ModelSpec, tokenizer: TextTokenizer, max_prompt_bytes: int,
     audio_seconds = spec.audio.max_seconds if spec.audio else 0.0
     log.info("requests: prompts up to %d bytes (%s), %d stop strings of up to %d bytes%s", prompt_bytes, origin,
              max_stop_strings, max_stop_string_bytes, f", audio up to {audio_seconds:g} s" if audio_seconds else "")
-    return RequestLimits(prompt_bytes, origin, max_stop_strings, max_stop_string_bytes, audio_seconds)
+    return RequestLimits(prompt_bytes, origin, max_stop_strings, max_stop_string_bytes, audio_seconds,
+                         spec.context_length, (spec.encoder and spec.encoder.context_length) or 0, token_bytes.longest,
+                         answer_bytes)

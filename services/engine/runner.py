@@ -21,6 +21,7 @@ from typing import Protocol
 
 import numpy as np
 
+from services.engine.fair_share import ClientShares
 from services.engine.generation import FinishReason
 from services.engine.kv_connector.state import Ahead
 from services.engine.lifecycle import Lifecycle
@@ -56,14 +57,14 @@ class KVTransfer(Protocol):
 
 class ModelRunner:
     def __init__(self, session: DecoderSession, encoder: EncoderSession | None, max_batch: int, context_length: int,
-                 kv: KVTransfer, pace: PrefillPace, max_unread_tokens: int) -> None:
+                 kv: KVTransfer, pace: PrefillPace, shares: ClientShares) -> None:
         self.session = session
         self.encoder = encoder
         self.slots = open_slots(session, max_batch, context_length)
         self.kv = kv
         self.pace = pace
         """Measured prefill cost, observed after every chunk (how long computing a run would take)."""
-        self.lifecycle = Lifecycle(self.slots.release, lambda seq: kv.save_answer(seq, self.slots), max_unread_tokens)
+        self.lifecycle = Lifecycle(self.slots.release, lambda seq: kv.save_answer(seq, self.slots), shares)
         self.stats = self.lifecycle.stats
 
     def prefault(self, tokens: int) -> int:

@@ -11,10 +11,14 @@ sequences decode, which prefill chunks run, which prefixes are copied) and carri
   decode, so the streams already decoding keep a bounded gap between tokens while long prompts
   arrive.
 
-Admission is decided at the door, synchronously: a free slot is taken at once, else the request
-waits in a queue of at most ``max_queued``; past that ``Overloaded`` is raised before any work is
-done. The queue is served in order, except that a request needing more rows than are free lets
-up to ``max_batch`` later ones that fit go first (``_admittable``). Store lookups run on the read
+Admission is decided at the door, before a request is tokenized (``reserve``): its rows are
+reserved, counted against the worker (slots, then a queue of at most ``max_queued``) and against
+its client's share (``fair_share``), or ``Overloaded`` is raised at once; once prepared they take a
+free slot or wait in the queue (``submit``). The queue is served fairly: the next free slot goes to
+the waiting request whose client holds the fewest slots, in arrival order among equals; a request
+needing more rows than are free lets up to ``max_batch`` others that fit go first
+(``_admittable``). While another client waits, a client holding more than its fair part of the
+slots gives up those of its streams that have been paused (not read) for ``yield_paused_s``. Store lookups run on the read
 threads and encoder runs on the encoder thread (the KV connector's scheduler side), never on this
 thread: a row is planned once its fetch has ended. The connector also says which rows copy their
 prefix from another row or wait for another worker's blocks this step.
@@ -29,6 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -36,6 +41,7 @@ from typing import Protocol
 
 import numpy as np
 
+from services.engine.fair_share import fair_slots
 from services.engine.lifecycle import wake_consumers
 from services.engine.runner import ModelRunner
 from services.engine.sequence import Phase, Sequence
@@ -61,6 +67,25 @@ class SchedulerOptions:
     max_paused_s: float = 30.0
     """A sequence paused this long (its client stopped reading) is ended with ``Overloaded``,
     freeing its slot."""
+    max_unread_bytes: int = 64 * 1024
+    """A sequence whose unread tokens' messages would take about this many bytes pauses too
+    (``output_processor.unread_limit``: log-probabilities make a token up to ~50x larger)."""
+    max_client_rows: int = 0
+    """Rows one client may hold (being prepared, queued or in a slot); 0 derives
+    ``fair_share.derived_client_rows``."""
+    yield_paused_s: float = 2.0
+    """While another client waits for a slot, a stream paused this long whose client holds more
+    than its fair part of the slots is ended with ``Overloaded``, freeing its slot."""
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """Rows a request holds from the door, before it is prepared, until ``Scheduler.submit``
+    places them or ``Scheduler.cancel`` gives them back (0 rows: a row count validation refuses)."""
+
+    client: str
+    rows: int
+    open: bool = True
 
 
 class PrefixSources(Protocol):
@@ -113,12 +138,65 @@ class Scheduler:
         """Sequences (rows) waiting for a slot."""
         return self.life.queued
 
-    def submit(self, rows: list[Sequence]) -> None:
-        """Admits one request's rows (one sequence, or a group) or raises ``Overloaded`` at once,
-        naming what was full. ``len(rows)`` is at most ``max_batch`` (the engine checks)."""
+    def reserve(self, client: str, rows: int) -> Reservation:
+        """Reserves ``rows`` rows for a request of ``client`` before it is prepared, or raises
+        ``Overloaded`` (counted) at once: the worker is full counting every request that passed
+        the door before it, or the client holds its share. A row count no request may have is left
+        to validation, which says why."""
         life = self.life
         with life.cond:
             if self._closed:
+                raise Overloaded("the worker is shutting down; retry on another replica")
+            if not 1 <= rows <= self.options.max_batch:
+                return Reservation(client, 0)
+            shares = life.shares
+            if shares.over(client, rows):
+                life.stats.rejected += 1
+                life.stats.client_rejected += 1
+                raise Overloaded(
+                    f"this client ({client or 'in-process'}) already holds {shares.held[client]} rows being prepared, "
+                    f"queued or running; at most {shares.max_rows} per client (--max-client-rows): end or read "
+                    "its streams, or retry later")
+            if not self._push_out(client, rows):
+                raise self._full()
+            shares.take(client, rows)
+            return Reservation(client, rows)
+
+    def _push_out(self, client: str, rows: int) -> bool:
+        """Whether ``rows`` more of ``client`` fit, after making room in a full worker: the newest
+        queued request of the client holding the most rows is refused, while that client holds more
+        than ``client`` would (lock held). A client alone keeps the whole queue; clients contending
+        for it end up holding equal parts."""
+        life = self.life
+        held = life.shares.held
+        while self._place(rows, life.shares.reserved) is None:
+            mine = held[client] + rows
+            queued = [r for r in life.queue if r[0].client != client and held[r[0].client] > mine]
+            if not queued:
+                return False
+            most = max(held[r[0].client] for r in queued)
+            victim = next(r for r in reversed(queued) if held[r[0].client] == most)
+            life.stats.pushed_out += 1
+            exc = Overloaded(
+                f"refused while queued: the worker was full and another client arrived holding fewer rows than this "
+                f"client's {most} (running, queued or being prepared), the most of any client; retry later or on "
+                "another replica")
+            for seq in victim:
+                life.fail(seq, exc)
+            wake_consumers(victim)
+        return True
+
+    def submit(self, rows: list[Sequence], reservation: Reservation) -> None:
+        """Places one request's rows (one sequence, or a group), prepared since ``reservation``: a
+        free slot, else the queue, else ``Overloaded``. ``len(rows)`` is at most ``max_batch``
+        (the engine checks)."""
+        life = self.life
+        with life.cond:
+            if reservation.open:
+                reservation.open = False
+                life.shares.placed(reservation.rows)
+            if self._closed:
+                life.shares.release(reservation.client, reservation.rows)
                 raise Overloaded("the worker is shutting down; retry on another replica")
             place = self._place(len(rows))
             if place == "start":
@@ -127,33 +205,37 @@ class Scheduler:
                 life.queue.append(rows)
                 self._admit()
             else:
+                life.shares.release(reservation.client, reservation.rows)
                 raise self._full()
             life.stats.admitted += 1
 
-    def check_room(self, rows: int) -> None:
-        """Raises ``Overloaded`` (counted) when ``rows`` more could neither start nor queue now: a
-        request is refused before it is prepared. ``submit`` decides for good. A row count no
-        request may have is left to validation, which says why."""
-        if not 1 <= rows <= self.options.max_batch:
-            return
+    def cancel(self, reservation: Reservation) -> None:
+        """Gives back a reservation whose request was refused or cancelled while being prepared."""
         with self.life.cond:
-            if self._place(rows) is None:
-                raise self._full()
+            if reservation.open:
+                reservation.open = False
+                self.life.shares.placed(reservation.rows)
+                self.life.shares.release(reservation.client, reservation.rows)
 
-    def _place(self, rows: int) -> str | None:
-        """Where ``rows`` more would go now (under ``life.cond``): "start" (free slots, nobody
-        queued before them), "queue", or None (the worker is full)."""
-        life = self.life
-        if len(life.active) + rows <= self.options.max_batch and not life.queue:
+    def _place(self, rows: int, reserved: int = 0) -> str | None:
+        """Where ``rows`` more would go now, after ``reserved`` rows of requests still being prepared
+        (under ``life.cond``): "start" (free slots, nobody queued before them), "queue", or None (the
+        worker is full)."""
+        life, batch = self.life, self.options.max_batch
+        if len(life.active) + reserved + rows <= batch and not life.queue:
             return "start"
-        return "queue" if life.queued + rows <= self.options.max_queued else None
+        # The reserved rows that find no free slot will queue ahead of these.
+        ahead = reserved if life.queue else max(0, len(life.active) + reserved - batch)
+        return "queue" if life.queued + ahead + rows <= self.options.max_queued else None
 
     def _full(self) -> Overloaded:
         """The refusal of a full worker, counted (under ``life.cond``)."""
         life = self.life
         life.stats.rejected += 1
+        preparing = f", {life.shares.reserved} being prepared" if life.shares.reserved else ""
         return Overloaded(f"the worker is full: {len(life.active)} running (--max-batch {self.options.max_batch}) and "
-                          f"{life.queued} queued (--max-queued {self.options.max_queued}); retry later or on another replica")
+                          f"{life.queued} queued (--max-queued {self.options.max_queued}){preparing}; retry later or "
+                          "on another replica")
 
     def abort(self, rows: list[Sequence], stopped: bool = False) -> None:
         """The consumer is gone (or, ``stopped``, found a stop string): free the rows' slots at the
@@ -196,30 +278,58 @@ class Scheduler:
         rows[0].phase = Phase.FETCHING
         self._read_pool.submit(self._fetch, rows[0])
 
-    def _admittable(self) -> int | None:
-        """Where in the queue the request to start now is: the head, if its rows fit the free
-        slots; else, until the head has let ``max_batch`` requests pass, the first later one that
-        fits. A group of rows waiting for slots that slow streams hold so leaves the free ones
-        serving others, and still cannot be starved (lock held)."""
+    def _admittable(self) -> tuple[int, int] | None:
+        """(where in the queue the request to start now is, where its head is), or None. The head
+        is the earliest request of the client holding the fewest slots. It starts if its rows fit
+        the free slots; else, until the head has let ``max_batch`` requests pass, the first other
+        one (in the same order) that fits. A group of rows waiting for slots that slow streams hold
+        so leaves the free ones serving others, and still cannot be starved (lock held)."""
         queue = self.life.queue
-        if not queue:
-            return None
         free = self.options.max_batch - len(self.life.active)
-        if len(queue[0]) <= free:
-            return 0
-        if queue[0][0].passed_by >= self.options.max_batch:
+        if not queue or free <= 0:
             return None
-        return next((i for i in range(1, len(queue)) if len(queue[i]) <= free), None)
+        running = Counter(s.client for s in self.life.active)
+        order = sorted(range(len(queue)), key=lambda i: running[queue[i][0].client])  # stable: arrival order
+        head = order[0]
+        if len(queue[head]) <= free:
+            return head, head
+        if queue[head][0].passed_by >= self.options.max_batch:
+            return None
+        return next(((i, head) for i in order[1:] if len(queue[i]) <= free), None)
 
     def _admit(self) -> None:
         """Starts every request ``_admittable`` allows (lock held)."""
         queue = self.life.queue
-        while (i := self._admittable()) is not None:
+        while (found := self._admittable()) is not None:
+            i, head = found
             rows = queue[i]
+            if i != head:
+                queue[head][0].passed_by += 1
             del queue[i]
-            if i:
-                queue[0][0].passed_by += 1
             self._start(rows)
+
+    def _yielding(self) -> list[Sequence]:
+        """Paused streams (their clients not reading) that give up their slots to another client
+        waiting for one: the client holds more than its fair part of the slots (``fair_slots``
+        among the clients running or waiting), and the stream has been paused ``yield_paused_s``.
+        At most as many as the other clients' rows waiting (lock held)."""
+        life = self.life
+        if not life.queue:
+            return []
+        waiting = Counter()
+        for rows in life.queue:
+            waiting[rows[0].client] += len(rows)
+        running = Counter(s.client for s in life.active)
+        share = fair_slots(self.options.max_batch, len(waiting.keys() | running.keys()))
+        patience = min(self.options.yield_paused_s, self.options.max_paused_s)
+        now, yielding = time.monotonic(), []
+        for seq in life.active:
+            others = sum(waiting.values()) - waiting[seq.client]
+            if (seq.paused and running[seq.client] > share and others > len(yielding)
+                    and now - seq.paused_since >= patience):
+                yielding.append(seq)
+                running[seq.client] -= 1
+        return yielding
 
     def _fetch(self, seq: Sequence) -> None:
         try:
@@ -251,6 +361,13 @@ class Scheduler:
                 f"stream paused for {self.options.max_paused_s:g} s with {len(seq.outbox)} tokens unread "
                 "(--max-paused-s): the client stopped reading; its slot was given to others"))
             life.touch(seq)
+        for seq in self._yielding():
+            life.stats.yielded += 1
+            life.fail(seq, Overloaded(
+                f"stream paused with {len(seq.outbox)} tokens unread while another client waited for a slot, and "
+                f"its client held more than its fair part of the {self.options.max_batch} slots (--yield-paused-s "
+                f"{self.options.yield_paused_s:g}): its slot was given to the waiting client; read streams as they come"))
+            life.touch(seq)
         self._admit()
         plan = StepPlan()
         plan.assemble = [s for s in life.active if s.phase is Phase.PREFILLING and not s.assembled]
@@ -280,14 +397,18 @@ class Scheduler:
             or (s.phase is Phase.DECODING and not life.unread_full(s))
             or (s.paused and self._paused_too_long(s))
             for s in life.active
-        ) or self._admittable() is not None
+        ) or self._admittable() is not None or bool(self._yielding())
 
     def _idle_timeout(self) -> float | None:
-        """Seconds until the earliest paused sequence runs out of patience (None: nobody paused)."""
+        """Seconds until the earliest paused sequence runs out of patience (None: nobody paused):
+        ``yield_paused_s`` while requests wait for slots, else ``max_paused_s``."""
         paused = [s.paused_since for s in self.life.active if s.paused]
         if not paused:
             return None
-        return min(threading.TIMEOUT_MAX, max(0.0, min(paused) + self.options.max_paused_s - time.monotonic()))
+        patience = self.options.max_paused_s
+        if self.life.queue:
+            patience = min(patience, self.options.yield_paused_s)
+        return min(threading.TIMEOUT_MAX, max(0.0, min(paused) + patience - time.monotonic()))
 
     def _run(self) -> None:
         life = self.life

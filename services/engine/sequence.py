@@ -88,6 +88,10 @@ class Sequence:
     tokens: list[int] = field(default_factory=list)
     """Tokens generated so far (beams keep theirs in ``BeamState``)."""
     beam_score: float | None = None
+    client: str = ""
+    """Who sent the request (``fair_share.client_of``): the share its rows count against."""
+    unread_limit: int = 256
+    """Tokens the consumer may leave unread before the row pauses (``output_processor.unread_limit``)."""
     passed_by: int = 0
     """Requests admitted ahead of this one while it waited at the head of the queue for slots."""
     phase: Phase = Phase.QUEUED
@@ -104,7 +108,7 @@ class Sequence:
     """Set with ``aborted`` when the consumer ended the sequence at a stop string: it finished
     normally, so its answer is published when its slot is freed."""
     paused: bool = False
-    """Skipped by decode steps because the consumer has ``max_unread_tokens`` tokens still to read."""
+    """Skipped by decode steps because the consumer has ``unread_limit`` tokens still to read."""
     paused_since: float = 0.0
     """time.monotonic() when the sequence last paused."""
     usage: Usage = field(default_factory=Usage)

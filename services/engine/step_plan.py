@@ -35,6 +35,13 @@ class SchedulerStats:
 
     admitted: int = 0
     rejected: int = 0
+    """Requests refused at the door (``Overloaded``): the worker full, or the client over its share."""
+    client_rejected: int = 0
+    """Of ``rejected``, those refused because their client held its share (``--max-client-rows``)."""
+    pushed_out: int = 0
+    """Queued requests refused to make room for a client holding fewer rows in a full worker."""
+    yielded: int = 0
+    """Paused streams ended to give their slots to another client's waiting request."""
     finished: int = 0
     aborted: int = 0
     failed: int = 0

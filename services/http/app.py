@@ -120,7 +120,7 @@ class HttpFace:
         await self.upstream.close()
 
     def _caller(self, request: web.Request) -> Caller:
-        return Caller.from_headers(request.headers.get("Authorization"), self.timeout_s)
+        return Caller.from_headers(request.headers.get("Authorization"), self.timeout_s, request.remote)
 
     async def _admit(self, request: web.Request, caller: Caller, limit: int, what: str) -> None:
         """Before a body is read: 413 for one announced over ``limit``, and for one that may be

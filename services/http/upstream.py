@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.engine.fair_share import FORWARDED_ADDRESS
 
 MODEL_INFO_TTL_S = 30.0
 """How long the served model's name and context length are taken as known: behind a router the
@@ -38,13 +39,16 @@ class Caller:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
     @classmethod
-    def from_headers(cls, authorization: str | None, timeout_s: float) -> Caller:
+    def from_headers(cls, authorization: str | None, timeout_s: float, address: str | None = None) -> Caller:
         """An ``Authorization`` that gRPC metadata cannot carry (beyond printable ASCII, which no
         API key is) is not passed on: a worker with API keys answers it as a missing key (401), one
-        without serves it, as any header it does not check."""
+        without serves it, as any header it does not check. ``address``: the HTTP client's, which
+        a worker in this process counts its fair share by (``fair_share.FORWARDED_ADDRESS``)."""
         passed = authorization and authorization.isascii() and authorization.isprintable()
-        return cls((("authorization", authorization),) if passed else (),
-                   time.monotonic() + timeout_s if timeout_s else None)
+        metadata = (("authorization", authorization),) if passed else ()
+        if address:
+            metadata += ((FORWARDED_ADDRESS, address),)
+        return cls(metadata, time.monotonic() + timeout_s if timeout_s else None)
 
 
 class Upstream:
