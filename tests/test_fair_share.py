@@ -172,9 +172,9 @@ def test_unread_bytes_pause_log_probability_streams_sooner():
 
 def test_an_oversized_tokenize_is_refused_before_any_work_while_a_stream_runs(tiny_model):
     """Four Tokenize calls of 4.1M ids each (a 4 MB message) beside a running stream: each is
-    refused INVALID_ARGUMENT naming token_ids and its limit, before a single id is decoded, and the
-    stream's answer is the one it gets alone. Before, each was decoded in full (seconds holding the
-    GIL) and failed sending an answer over the message limit."""
+    refused INVALID_ARGUMENT naming token_ids and its limit, before its bytes are even parsed, and
+    the stream's answer is the one it gets alone. Before, each was decoded in full (seconds holding
+    the GIL) and failed sending an answer over the message limit."""
     engine = make_engine(tiny_model, max_unread_tokens=4096)
     decoded = []
     tokenize = engine.inputs._tokenize
@@ -208,7 +208,7 @@ def test_an_oversized_tokenize_is_refused_before_any_work_while_a_stream_runs(ti
     limit = engine.limits.token_ids
     for outcome in outcomes:
         assert isinstance(outcome, grpc.aio.AioRpcError) and outcome.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "token_ids" in outcome.details() and f"at most {limit}" in outcome.details()
+        assert "a TokenizeRequest of 4100005 bytes" in outcome.details() and f"{limit} token_ids" in outcome.details()
     assert len(decoded) == 1 and list(small.token_ids) == ids[:5], "only the small call was decoded"
     assert tokens == alone
     engine.close()

@@ -36,10 +36,22 @@ class Unparseable:
         return f"request is not a valid {self.type_name}: {self.error}"
 
 
-def lenient_deserializer(message_type: type[Message]) -> Callable[[bytes], Message | Unparseable]:
+@dataclass(frozen=True, slots=True)
+class Oversized:
+    """A request larger than any valid one of its method can be (``details`` says why), refused
+    unparsed: parsing four million ids holds the event loop and costs tens of MB."""
+
+    details: str
+
+
+def lenient_deserializer(message_type: type[Message],
+                         most_bytes: Callable[[int], str | None] | None = None) -> Callable[[bytes], Message | Unparseable | Oversized]:
+    """``most_bytes(size)``: None for a request size that may be valid, else the refusal's details."""
     name = message_type.DESCRIPTOR.full_name
 
-    def deserialize(data: bytes) -> Message | Unparseable:
+    def deserialize(data: bytes) -> Message | Unparseable | Oversized:
+        if most_bytes is not None and (refusal := most_bytes(len(data))) is not None:
+            return Oversized(refusal)
         try:
             return message_type.FromString(data)
         except Exception as exc:  # noqa: BLE001 - whatever FromString raises, the bytes did not parse
@@ -54,7 +66,7 @@ def _refusing_unparseable(behavior: Callable, admit: Callable, streaming: bool) 
     if streaming:
         async def stream(request, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
             await admit(context)
-            if isinstance(request, Unparseable):
+            if isinstance(request, Unparseable | Oversized):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
             async for response in behavior(request, context):
                 yield response
@@ -62,7 +74,7 @@ def _refusing_unparseable(behavior: Callable, admit: Callable, streaming: bool) 
 
     async def unary(request, context: grpc.aio.ServicerContext) -> Message:
         await admit(context)
-        if isinstance(request, Unparseable):
+        if isinstance(request, Unparseable | Oversized):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
         return await behavior(request, context)
     return unary
@@ -75,7 +87,8 @@ def _serialize(response: Message | bytes) -> bytes:
 
 def method_handlers(servicer: object) -> dict[str, grpc.RpcMethodHandler]:
     """A handler for every method of the Generator service, each calling the servicer's ``admit``
-    (which aborts a call it refuses), then its method of the same name."""
+    (which aborts a call it refuses), then its method of the same name. A servicer's
+    ``size_check(method)`` may bound a method's request bytes before they are parsed."""
     handlers = {}
     for method in SERVICE.methods:
         if method.client_streaming:
@@ -83,7 +96,8 @@ def method_handlers(servicer: object) -> dict[str, grpc.RpcMethodHandler]:
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
             _refusing_unparseable(getattr(servicer, method.name), servicer.admit, method.server_streaming),
-            request_deserializer=lenient_deserializer(GetMessageClass(method.input_type)),
+            request_deserializer=lenient_deserializer(GetMessageClass(method.input_type),
+                                                      getattr(servicer, "size_check", lambda _: None)(method.name)),
             response_serializer=_serialize,
         )
     return handlers

@@ -70,6 +70,15 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("kvshare_slots", "Slots (the decode batch's most rows).", value=engine.slots.max_batch)
         yield CounterMetricFamily("kvshare_requests_rejected", "Requests refused at the door (RESOURCE_EXHAUSTED).",
                                   value=stats.rejected)
+        yield CounterMetricFamily("kvshare_requests_client_rejected",
+                                  "Of the requests refused at the door, those whose client held --max-client-rows.",
+                                  value=stats.client_rejected)
+        yield CounterMetricFamily("kvshare_requests_pushed_out",
+                                  "Queued requests refused to make room for a client holding fewer rows in a full worker.",
+                                  value=stats.pushed_out)
+        yield CounterMetricFamily("kvshare_streams_yielded",
+                                  "Unread (paused) streams ended to give their slots to another client's waiting request.",
+                                  value=stats.yielded)
         yield CounterMetricFamily("kvshare_decode_steps", "Batched decode runs.", value=stats.decode_steps)
         yield CounterMetricFamily("kvshare_decode_rows", "Rows advanced by decode runs (rows / steps = mean batch).",
                                   value=stats.decode_rows)

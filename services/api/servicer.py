@@ -6,8 +6,10 @@ codes: Unauthenticated -> UNAUTHENTICATED, InvalidRequest -> INVALID_ARGUMENT, R
 -> OUT_OF_RANGE, FailedPrecondition (messages without a chat template) -> FAILED_PRECONDITION,
 Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, anything
 unexpected -> INTERNAL (a bug, logged with its traceback). Oversized messages never get here: gRPC
-refuses them with RESOURCE_EXHAUSTED; nor do requests that do not parse (services/api/method_handlers.py
-answers them INVALID_ARGUMENT).
+refuses them with RESOURCE_EXHAUSTED; nor do requests that do not parse, nor a TokenizeRequest
+larger than any valid one (``size_check``, before it is parsed): services/api/method_handlers.py
+answers them INVALID_ARGUMENT. A call counts against its client's fair share (its tenant, else its
+address: ``fair_share.client_of``).
 
 Converting a message costs the event loop O(its size); repeated fields are handed to the engine as
 they are, or cut one past the engine's limit, so that a request of a million stop strings or
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
 import grpc
@@ -208,6 +210,23 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
     def __init__(self, engine: Engine, api_keys: ApiKeys | None = None) -> None:
         self._engine = engine
         self._api_keys = api_keys
+
+    def size_check(self, method: str) -> Callable[[int], str | None] | None:
+        """Tokenize's bound on its request bytes, checked before they are parsed
+        (``RequestLimits.tokenize_request_bytes``); other methods: None (the message limit)."""
+        if method != "Tokenize":
+            return None
+        limits = self._engine.limits
+        most = limits.tokenize_request_bytes
+
+        def check(size: int) -> str | None:
+            if size <= most:
+                return None
+            return (f"a TokenizeRequest of {size} bytes; at most {most} bytes hold a valid one (at most "
+                    f"{limits.prompt_bytes} bytes of text or messages, or {limits.token_ids} token_ids, the model's "
+                    "context length): send it in parts")
+
+        return check
 
     async def admit(self, context: grpc.aio.ServicerContext) -> None:
         """Aborts the call UNAUTHENTICATED unless it carries a known API key (when keys are configured)."""

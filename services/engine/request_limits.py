@@ -32,7 +32,9 @@ MESSAGE_TEMPLATE_BYTES = 256
 """Bytes a chat template is assumed to add around one message when a Tokenize answer's size is
 bounded before rendering (role markers and separators: SmolLM2's add 24)."""
 ID_BYTES = 5
-"""Bytes of one token id in a serialized answer at most (a varint below 2**35)."""
+"""Bytes of one token id in a serialized message at most (a varint below 2**35)."""
+FRAMING_BYTES = 32
+"""Bytes of protobuf framing (tags and lengths) around one message of a chat, at most."""
 """For a tokenizer that can drop or shorten text no prompt size bounds the tokens; the derived
 limit then allows this many times the exact bound of a tokenizer that keeps every byte."""
 
@@ -80,6 +82,13 @@ class RequestLimits:
     def token_ids(self) -> int:
         """Ids one Tokenize call may decode: the longest context, since no prompt or answer holds more."""
         return max(self.context_tokens, self.encoder_context_tokens)
+
+    @property
+    def tokenize_request_bytes(self) -> int:
+        """The most bytes a TokenizeRequest within these limits can take: its text or messages (each
+        message's two fields framed in at most ``FRAMING_BYTES``), or its ids, beside some slack."""
+        text = self.prompt_bytes + MAX_MESSAGES * FRAMING_BYTES
+        return max(text, self.token_ids * ID_BYTES) + FRAMING_BYTES
 
     def check_generation(self, request: GenerationRequest) -> None:
         """Every size of a Generate request, in the order a client would fix them."""

@@ -17,10 +17,12 @@ its client's share (``fair_share``), or ``Overloaded`` is raised at once; once p
 free slot or wait in the queue (``submit``). The queue is served fairly: the next free slot goes to
 the waiting request whose client holds the fewest slots, in arrival order among equals; a request
 needing more rows than are free lets up to ``max_batch`` others that fit go first
-(``_admittable``). While another client waits, a client holding more than its fair part of the
-slots gives up those of its streams that have been paused (not read) for ``yield_paused_s``. Store lookups run on the read
-threads and encoder runs on the encoder thread (the KV connector's scheduler side), never on this
-thread: a row is planned once its fetch has ended. The connector also says which rows copy their
+(``_admittable``). A request that finds the worker full takes the queue place of the newest
+queued request of the client holding the most rows (``_push_out``); while another client waits, a
+client holding more than its fair part of the slots gives up those of its streams that have been
+paused (not read) for ``yield_paused_s`` (``_yielding``). Store lookups run on the read threads
+and encoder runs on the encoder thread (the KV connector's scheduler side), never on this thread:
+a row is planned once its fetch has ended. The connector also says which rows copy their
 prefix from another row or wait for another worker's blocks this step.
 
 A request with n samples or beams is admitted as one group of rows, all at once or not at all.
@@ -71,8 +73,8 @@ class SchedulerOptions:
     """A sequence whose unread tokens' messages would take about this many bytes pauses too
     (``output_processor.unread_limit``: log-probabilities make a token up to ~50x larger)."""
     max_client_rows: int = 0
-    """Rows one client may hold (being prepared, queued or in a slot); 0 derives
-    ``fair_share.derived_client_rows``."""
+    """Rows one client may hold (being prepared, queued or in a slot); 0: no fixed bound, only the
+    fair shares kept when clients contend (``fair_share``)."""
     yield_paused_s: float = 2.0
     """While another client waits for a slot, a stream paused this long whose client holds more
     than its fair part of the slots is ended with ``Overloaded``, freeing its slot."""
