@@ -30,6 +30,11 @@ _CHANNEL_OPTIONS = (
     # address would then stay unusable long after its health service says SERVING again.
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 5000),
+    # A stream's HTTP/2 window stays at its initial 64 KiB (as on the HTTP face's channel): with
+    # bandwidth-delay probing it grows to megabytes, so a caller that stops reading would leave the
+    # worker's answer piling up in this router while its row runs on, never paused by the worker's
+    # bound on unread tokens (nor ended after its --max-paused-s).
+    ("grpc.http2.bdp_probe", 0),
 )
 
 
