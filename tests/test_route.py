@@ -149,6 +149,11 @@ UNREAD_CHANNEL = (("grpc.http2.bdp_probe", 0),)
 WIDE = {"n": 8, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}
 
 
+def messages(count: int) -> str:
+    """How the router's statuses count the messages a caller got."""
+    return f"{count} message{'' if count == 1 else 's'}"
+
+
 # --- the routing rules, as pure functions ----------------------------------------------------
 
 
@@ -438,14 +443,18 @@ def test_a_failed_health_check_moves_a_frozen_workers_unanswered_call_to_the_oth
 def test_a_stopped_worker_loses_its_prefixes_to_the_other(tiny_model, redis_url):
     """Router A checks health every 0.2 s and moves the prefix when the worker reports NOT_SERVING
     (it still takes calls for 60 s); router B never checks again after its start, and moves the
-    prefix when a call fails UNAVAILABLE (the worker killed), retrying that call on the other."""
+    prefix when a call fails UNAVAILABLE (the worker killed), retrying that call on the other.
+    A stream in flight through each: A's finishes at the draining worker (NOT_SERVING cuts
+    nothing), B's ends UNAVAILABLE naming the killed worker and the messages passed on."""
     args = ("--cache", redis_url, "--not-serving-s", "60")
     workers = start_workers(tiny_model, args, args)
     try:
         targets = [w.target for w in workers]
         with RouterProcess(targets, "--health-interval-s", "0.2") as checking, \
                 RouterProcess(targets, "--health-interval-s", "3600") as unchecking, \
-                grpc.insecure_channel(checking.target) as c1, grpc.insecure_channel(unchecking.target) as c2:
+                grpc.insecure_channel(checking.target) as c1, grpc.insecure_channel(unchecking.target) as c2, \
+                grpc.insecure_channel(checking.target, options=UNREAD_CHANNEL) as wide1, \
+                grpc.insecure_channel(unchecking.target, options=UNREAD_CHANNEL) as wide2:
             via_checking, via_unchecking = pb_grpc.GeneratorStub(c1), pb_grpc.GeneratorStub(c2)
             asked = iter(range(1000))
 
@@ -459,15 +468,27 @@ def test_a_stopped_worker_loses_its_prefixes_to_the_other(tiny_model, redis_url)
             home = ask(via_checking)
             other = next(w for w in workers if w is not home)
             assert ask(via_unchecking) is home
+            # In flight at home while the test does not read them (WIDE: far more than the windows).
+            wide = pb.GenerateRequest(prompt=SYSTEM + "Everything?", max_new_tokens=200, **WIDE)
+            draining, dying = (pb_grpc.GeneratorStub(c).Generate(wide, timeout=60) for c in (wide1, wide2))
+            drained, cut = [next(draining)], [next(dying)]
 
             os.kill(home.pid, signal.SIGTERM)  # NOT_SERVING for 60 s, still taking calls
             wait_until(lambda: any(f"worker {home.target} is unhealthy (health check: NOT_SERVING)" in line
                                    for line in checking.log_lines), LOG_TIMEOUT_S, "router A to see NOT_SERVING")
             assert [ask(via_checking) for _ in range(3)] == [other] * 3
+            drained += list(draining)
+            assert [m.finish_reason for m in drained if m.finish_reason] == [pb.FINISH_REASON_LENGTH] * WIDE["n"]
 
             kill(home)
             assert [ask(via_unchecking) for _ in range(3)] == [other] * 3, "retried on the other worker"
             assert any(f"worker {home.target} is unhealthy (UNAVAILABLE" in line for line in unchecking.log_lines)
+            with pytest.raises(grpc.RpcError) as info:
+                for message in dying:
+                    cut.append(message)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert info.value.details().startswith(f"worker {home.target} failed mid-stream ("), info.value.details()
+            assert info.value.details().endswith(f": the output was cut off after {messages(len(cut))}")
     finally:
         for w in workers:
             w.stop(timeout_s=1)  # the one not killed would report NOT_SERVING for 60 s
@@ -595,8 +616,7 @@ def test_a_frozen_workers_stream_ends_unavailable_naming_it_and_the_messages_pas
     cause = (f"worker {victim.target} sent nothing for 1 s (--stream-idle-timeout-s)" if idle
              else f"worker {victim.target} failed a health check (DEADLINE_EXCEEDED")
     assert details.startswith(cause), details
-    count = f"{len(received)} message{'' if len(received) == 1 else 's'}"
-    assert details.endswith(f": the output was cut off after {count}"), details
+    assert details.endswith(f": the output was cut off after {messages(len(received))}"), details
     assert not any(m.finish_reason for m in received), "cut off before a row finished"
 
 
