@@ -15,7 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.request import urlopen
@@ -104,6 +106,52 @@ def running(metrics_port: int) -> float:
     """The worker's kvshare_requests_running gauge: sequences holding a slot."""
     text = urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kvshare_requests_running ")))
+
+
+def routed_to(worker: WorkerProcess, workers: list[WorkerProcess],
+              make: Callable[[int], pb.GenerateRequest]) -> pb.GenerateRequest:
+    """The first of ``make(0)``, ``make(1)``, ... that rendezvous hashing gives ``worker``."""
+    return next(r for r in map(make, range(1000)) if expected_worker(workers, r) is worker)
+
+
+def route_env(**settings: float) -> dict[str, str]:
+    """Router settings as ``KVSHARE_ROUTE_*`` variables, not flags: a router that lacks them (an
+    older one) still starts, so a test shows what it does without them."""
+    return {f"KVSHARE_ROUTE_{name.upper()}": str(value) for name, value in settings.items()}
+
+
+@contextmanager
+def frozen(worker: WorkerProcess) -> Iterator[None]:
+    """``worker`` SIGSTOPped for the block (its sockets stay open, nothing answers); then SIGCONT,
+    and back once its health service answers SERVING again: the module's other tests share it."""
+    os.kill(worker.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        with worker.channel() as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+
+            def serving() -> bool:
+                try:
+                    reply = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+                except grpc.RpcError:
+                    return False
+                return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+            wait_until(serving, LOG_TIMEOUT_S, f"{worker.target} to serve again")
+
+
+# 8 rows of 20 alternatives a token: megabytes of messages, far past the 64 KiB window of a stream
+# on each hop (the test's channel without bandwidth probing, and the router's), so while the test
+# does not read, the stream's worker holds its rows paused with the answer unfinished.
+UNREAD_CHANNEL = (("grpc.http2.bdp_probe", 0),)
+WIDE = {"n": 8, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}
+
+
+def messages(count: int) -> str:
+    """How the router's statuses count the messages a caller got."""
+    return f"{count} message{'' if count == 1 else 's'}"
 
 
 # --- the routing rules, as pure functions ----------------------------------------------------
@@ -365,20 +413,48 @@ def test_load_bound_sends_a_busy_prefix_to_the_next_worker(stuck_fleet):
         assert [served_by(workers, r.request_id) for r in requests] == [first, other, first]
 
 
+def test_a_failed_health_check_moves_a_frozen_workers_unanswered_call_to_the_other(stuck_fleet):
+    """The call sits at its worker with nothing answered (in its cache lookup) when the worker
+    freezes: the health check that gets no answer cuts it there, and the router tries it on the
+    other worker, where it then holds a slot; the caller saw nothing of the first try."""
+    workers, ports = stuck_fleet
+    with RouterProcess([w.target for w in workers], "--health-interval-s", "0.2") as router, \
+            grpc.insecure_channel(router.target) as channel:
+        request = pb.GenerateRequest(request_id="frozen-unanswered", prompt=SYSTEM, max_new_tokens=800, ignore_eos=True)
+        victim = expected_worker(workers, request)
+        other = next(w for w in workers if w is not victim)
+        call = pb_grpc.GeneratorStub(channel).Generate(request, timeout=60)
+        try:
+            wait_until(lambda: running(ports[workers.index(victim)]) == 1, LOG_TIMEOUT_S, "the call at its worker")
+            with frozen(victim):
+                wait_until(lambda: running(ports[workers.index(other)]) == 1, LOG_TIMEOUT_S,
+                           "the call to be tried again at the other worker")
+        finally:
+            call.cancel()
+        assert any(f"{GENERATE}: worker {victim.target} failed a health check (DEADLINE_EXCEEDED" in line
+                   and line.endswith("; trying the next-best worker") for line in router.log_lines), router.log_lines
+        for port in ports:
+            wait_until(lambda p=port: running(p) == 0, LOG_TIMEOUT_S, "both workers' slots to be free")
+
+
 # --- workers that go away -----------------------------------------------------------------------
 
 
 def test_a_stopped_worker_loses_its_prefixes_to_the_other(tiny_model, redis_url):
     """Router A checks health every 0.2 s and moves the prefix when the worker reports NOT_SERVING
     (it still takes calls for 60 s); router B never checks again after its start, and moves the
-    prefix when a call fails UNAVAILABLE (the worker killed), retrying that call on the other."""
+    prefix when a call fails UNAVAILABLE (the worker killed), retrying that call on the other.
+    A stream in flight through each: A's finishes at the draining worker (NOT_SERVING cuts
+    nothing), B's ends UNAVAILABLE naming the killed worker and the messages passed on."""
     args = ("--cache", redis_url, "--not-serving-s", "60")
     workers = start_workers(tiny_model, args, args)
     try:
         targets = [w.target for w in workers]
         with RouterProcess(targets, "--health-interval-s", "0.2") as checking, \
                 RouterProcess(targets, "--health-interval-s", "3600") as unchecking, \
-                grpc.insecure_channel(checking.target) as c1, grpc.insecure_channel(unchecking.target) as c2:
+                grpc.insecure_channel(checking.target) as c1, grpc.insecure_channel(unchecking.target) as c2, \
+                grpc.insecure_channel(checking.target, options=UNREAD_CHANNEL) as wide1, \
+                grpc.insecure_channel(unchecking.target, options=UNREAD_CHANNEL) as wide2:
             via_checking, via_unchecking = pb_grpc.GeneratorStub(c1), pb_grpc.GeneratorStub(c2)
             asked = iter(range(1000))
 
@@ -392,15 +468,27 @@ def test_a_stopped_worker_loses_its_prefixes_to_the_other(tiny_model, redis_url)
             home = ask(via_checking)
             other = next(w for w in workers if w is not home)
             assert ask(via_unchecking) is home
+            # In flight at home while the test does not read them (WIDE: far more than the windows).
+            wide = pb.GenerateRequest(prompt=SYSTEM + "Everything?", max_new_tokens=200, **WIDE)
+            draining, dying = (pb_grpc.GeneratorStub(c).Generate(wide, timeout=60) for c in (wide1, wide2))
+            drained, cut = [next(draining)], [next(dying)]
 
             os.kill(home.pid, signal.SIGTERM)  # NOT_SERVING for 60 s, still taking calls
             wait_until(lambda: any(f"worker {home.target} is unhealthy (health check: NOT_SERVING)" in line
                                    for line in checking.log_lines), LOG_TIMEOUT_S, "router A to see NOT_SERVING")
             assert [ask(via_checking) for _ in range(3)] == [other] * 3
+            drained += list(draining)
+            assert [m.finish_reason for m in drained if m.finish_reason] == [pb.FINISH_REASON_LENGTH] * WIDE["n"]
 
             kill(home)
             assert [ask(via_unchecking) for _ in range(3)] == [other] * 3, "retried on the other worker"
             assert any(f"worker {home.target} is unhealthy (UNAVAILABLE" in line for line in unchecking.log_lines)
+            with pytest.raises(grpc.RpcError) as info:
+                for message in dying:
+                    cut.append(message)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert info.value.details().startswith(f"worker {home.target} failed mid-stream ("), info.value.details()
+            assert info.value.details().endswith(f": the output was cut off after {messages(len(cut))}")
     finally:
         for w in workers:
             w.stop(timeout_s=1)  # the one not killed would report NOT_SERVING for 60 s
@@ -473,6 +561,63 @@ def test_no_healthy_worker_is_unavailable_and_not_serving():
         with pytest.raises(grpc.RpcError) as info:
             stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=30)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+# --- frozen workers -------------------------------------------------------------------------------
+
+
+def test_a_frozen_workers_calls_are_answered_by_the_other_after_the_first_response_timeout(fleet):
+    """The router checks health only at its start, so a frozen worker stays in its set: a call it
+    gets waits --first-response-timeout-s unanswered, is cancelled there and answered by the other
+    worker (Generate by its prefix, Tokenize in turn); the caller sees only the answer."""
+    workers, _ = fleet
+    victim, other = workers
+    request = routed_to(victim, workers, lambda i: pb.GenerateRequest(
+        request_id=f"frozen-first-{i}", prompt=f"Frozen {i}. {SYSTEM}", max_new_tokens=4, ignore_eos=True))
+    with RouterProcess([w.target for w in workers], "--health-interval-s", "3600",
+                       env=route_env(first_response_timeout_s=1)) as router, \
+            grpc.insecure_channel(router.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        with frozen(victim):
+            messages = list(stub.Generate(request, timeout=LOG_TIMEOUT_S))
+            assert served_by(workers, request.request_id) is other
+            # Round-robin: one of two calls goes to the frozen worker.
+            tokenized = [stub.Tokenize(pb.TokenizeRequest(text="café"), timeout=LOG_TIMEOUT_S) for _ in range(2)]
+        assert messages[-1].finish_reason == pb.FINISH_REASON_LENGTH
+        assert len([t for m in messages for t in m.token_ids]) == 4
+        with other.channel() as direct:
+            expected = pb_grpc.GeneratorStub(direct).Tokenize(pb.TokenizeRequest(text="café"), timeout=30)
+        assert tokenized == [expected, expected]
+        waited = f"worker {victim.target} sent no response within 1 s (--first-response-timeout-s); trying the next-best worker"
+        for method in ("Generate", "Tokenize"):
+            assert any(line.endswith(f"/kvshare.v1.Generator/{method}: {waited}") for line in router.log_lines), method
+
+
+@pytest.mark.parametrize("cut_by", ["stream idle timeout", "failed health check"])
+def test_a_frozen_workers_stream_ends_unavailable_naming_it_and_the_messages_passed_on(fleet, cut_by):
+    """The stream has passed messages on when its worker freezes: no retry (the caller holds part of
+    an answer), but UNAVAILABLE, naming the worker, why the router gave up on it, and how many
+    messages the caller got before the cut; the router's bound, not the caller's deadline, ends it."""
+    workers, _ = fleet
+    victim = workers[1]
+    request = routed_to(victim, workers, lambda i: pb.GenerateRequest(
+        request_id=f"frozen-mid-{cut_by[0]}-{i}", prompt=f"Frozen stream {i}.", max_new_tokens=800, **WIDE))
+    idle = cut_by == "stream idle timeout"
+    flags = ("--health-interval-s", "3600") if idle else ("--health-interval-s", "0.2")
+    with RouterProcess([w.target for w in workers], *flags, env=route_env(stream_idle_timeout_s=1) if idle else None) \
+            as router, grpc.insecure_channel(router.target, options=UNREAD_CHANNEL) as channel:
+        call = pb_grpc.GeneratorStub(channel).Generate(request, timeout=LOG_TIMEOUT_S)
+        received = [next(call)]
+        with frozen(victim), pytest.raises(grpc.RpcError) as info:
+            for message in call:
+                received.append(message)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    details = info.value.details()
+    cause = (f"worker {victim.target} sent nothing for 1 s (--stream-idle-timeout-s)" if idle
+             else f"worker {victim.target} failed a health check (DEADLINE_EXCEEDED")
+    assert details.startswith(cause), details
+    assert details.endswith(f": the output was cut off after {messages(len(received))}"), details
+    assert not any(m.finish_reason for m in received), "cut off before a row finished"
 
 
 # --- metadata, discovery, settings ---------------------------------------------------------------

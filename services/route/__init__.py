@@ -9,6 +9,7 @@ other calls go round-robin. ``docs/route.md`` says how to deploy it and what it 
 - ``routing_key``: the key of a Generate request (prompt prefix, cache salt, caller);
 - ``rendezvous``: which worker a key goes to, under a load bound;
 - ``upstreams``: the worker set, its discovery (static or DNS) and health checks;
-- ``proxy``: the forwarding of calls, statuses, metadata, deadlines and cancellation;
+- ``attempt``: one try of a call at one worker, bounded so that a frozen worker cannot hold it;
+- ``proxy``: the forwarding of calls, statuses, metadata, deadlines, cancellation and retries;
 - ``server``: the gRPC server around them, its health service and shutdown.
 """

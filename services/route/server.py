@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.errors import StartupError
 from services.http.local_front import LocalFront
+from services.route.attempt import Limits
 from services.route.config import RouteSettings, split_host_port
 from services.route.proxy import Proxy
 from services.route.upstreams import (
@@ -57,7 +58,8 @@ async def serve(settings: RouteSettings) -> None:
             log.warning("no healthy worker: calls are answered UNAVAILABLE until one is")
 
     upstreams = UpstreamSet(discovery(settings), settings.health_interval_s, settings.health_timeout_s, on_serving)
-    handlers = Proxy(upstreams, settings.route_prefix_bytes, settings.max_streams_per_worker).method_handlers()
+    limits = Limits(settings.first_response_timeout_s, settings.stream_idle_timeout_s)
+    handlers = Proxy(upstreams, settings.route_prefix_bytes, settings.max_streams_per_worker, limits).method_handlers()
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GENERATOR_SERVICE, handlers),))
     server.add_registered_method_handlers(GENERATOR_SERVICE, handlers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -2,6 +2,12 @@
 Service), whether each is healthy (grpc.health.v1, as the workers serve it), and how many calls
 this router has open to each.
 
+A health check that gets no answer (the worker is frozen, dead or cut off) also cuts the calls in
+flight to that worker that have heard nothing from it since the check was sent (``Attempt``): they
+are retried elsewhere or end with a status naming the worker, instead of waiting for their
+deadline. An answer of NOT_SERVING cuts nothing: that worker is draining (SIGTERM), and its streams
+finish there. Neither does leaving the DNS answer: a retired worker's calls drain on its channel.
+
 Everything here runs on the router's event loop, so the counters need no lock.
 """
 
@@ -12,12 +18,13 @@ import logging
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvshare.v1 import generator_pb2 as pb
+from services.route.attempt import Attempt
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +37,11 @@ _CHANNEL_OPTIONS = (
     # address would then stay unusable long after its health service says SERVING again.
     ("grpc.initial_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 5000),
+    # A stream's HTTP/2 window stays at its initial 64 KiB (as on the HTTP face's channel): with
+    # bandwidth-delay probing it grows to megabytes, so a caller that stops reading would leave the
+    # worker's answer piling up in this router while its row runs on, never paused by the worker's
+    # bound on unread tokens (nor ended after its --max-paused-s).
+    ("grpc.http2.bdp_probe", 0),
 )
 
 
@@ -75,7 +87,8 @@ class Upstream:
     call to it has failed UNAVAILABLE since (None until its first check). ``streams``: Generate
     streams this router has open to it, the measure of the load bound (other routers' streams are
     not counted). ``calls``: every call open to it, health checks included; a worker that left
-    the set (``retired``) keeps its channel until they end."""
+    the set (``retired``) keeps its channel until they end. ``attempts``: the forwarded calls
+    among them, which a failed health check may cut."""
 
     address: str
     channel: grpc.aio.Channel
@@ -83,6 +96,7 @@ class Upstream:
     streams: int = 0
     calls: int = 0
     retired: bool = False
+    attempts: set[Attempt] = field(default_factory=set)
 
 
 class UpstreamSet:
@@ -126,16 +140,19 @@ class UpstreamSet:
         await self._publish()
 
     @contextmanager
-    def using(self, upstream: Upstream, stream: bool) -> Iterator[grpc.aio.Channel]:
+    def using(self, upstream: Upstream, stream: bool, attempt: Attempt | None = None) -> Iterator[grpc.aio.Channel]:
         """``upstream``'s channel, counted as one more call (and stream, for a Generate call)
-        until the block ends."""
+        until the block ends; ``attempt``, a forwarded call, is cut if a health check fails."""
         upstream.calls += 1
         upstream.streams += stream
+        if attempt is not None:
+            upstream.attempts.add(attempt)
         try:
             yield upstream.channel
         finally:
             upstream.calls -= 1
             upstream.streams -= stream
+            upstream.attempts.discard(attempt)
             if upstream.retired and not upstream.calls:
                 self._retiring.discard(upstream)
                 self._close_soon(upstream)
@@ -202,16 +219,28 @@ class UpstreamSet:
             return
         # Counted as a call: a worker retired meanwhile keeps its channel until the check ends
         # (closing it would cancel the check, and the cancellation would end the health loop).
+        sent_at = asyncio.get_running_loop().time()
         with self.using(upstream, stream=False) as channel:
             try:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(
                     health_pb2.HealthCheckRequest(service=GENERATOR_SERVICE), timeout=self._health_timeout_s)
-                healthy = reply.status == health_pb2.HealthCheckResponse.SERVING
+                healthy, answered = reply.status == health_pb2.HealthCheckResponse.SERVING, True
                 why = f"health check: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
             except grpc.aio.AioRpcError as err:
-                healthy, why = False, f"health check: {err.code().name}: {err.details()}"
+                healthy, answered = False, False
+                why = f"health check: {err.code().name}: {err.details()}"
         if not upstream.retired:
             self._set_health(upstream, healthy, why)
+            if not answered:
+                self._cut_silent(upstream, sent_at, why.removeprefix("health check: "))
+
+    def _cut_silent(self, upstream: Upstream, since: float, why: str) -> None:
+        """Cuts the calls in flight to ``upstream`` that heard nothing from it since ``since``,
+        when a health check sent then got no answer."""
+        cut = sum(a.cut_if_silent_since(since, why) for a in list(upstream.attempts))
+        if cut:
+            log.warning("worker %s did not answer its health check (%s): cut %d call(s) in flight to it that it "
+                        "had left silent since", upstream.address, why, cut)
 
     def _set_health(self, upstream: Upstream, healthy: bool, why: str) -> None:
         if healthy and not upstream.healthy:
