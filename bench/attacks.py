@@ -12,12 +12,21 @@ The attacker uses only the public gRPC API and write access to Redis:
 For each it prints how many prompt tokens the victim took from forged values, whether its answer
 still equals a cold recompute, and how many probes found the code.
 
-    .venv/bin/python -m bench.attacks [--smoke]
+Then the attacks on a live fleet (issue 33), each a module of its own, run in turn (``--cache-only``
+skips them):
+- ``bench.attack_door``: a 4M-id Tokenize flood, 24 streams of one tenant that are never read, and a
+  burst of 500 refused requests with the gRPC floor beside it;
+- ``bench.attack_router``: a worker frozen (SIGSTOP) behind ``kvshare route`` with calls in flight;
+- ``bench.attack_leases``: forged (unsigned) and replayed (signed) leases against a victim's prompts;
+- ``bench.attack_stall``: Redis frozen (SIGSTOP) under load, against the documented store-wait bound.
+
+    .venv/bin/python -m bench.attacks [--smoke] [--cache-only]
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import sys
 import tempfile
 import time
@@ -126,8 +135,28 @@ def probe(t: Target, codes: int) -> int | None:
     return None
 
 
+FLEET_ATTACKS = ("bench.attack_door", "bench.attack_router", "bench.attack_leases", "bench.attack_stall")
+
+
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0])
+    def extra(parser) -> None:
+        parser.add_argument("--cache-only", action="store_true", help="the cache attacks only, not the fleet's")
+
+    args = parse_args(__doc__.splitlines()[0], extra)
+    code = cache_attacks(args)
+    if args.cache_only:
+        return code
+    # Each fleet attack reads the same flags (--smoke, --model) from the command line itself.
+    sys.argv = [sys.argv[0], *(["--smoke"] if args.smoke else []),
+                *(["--model", str(args.model)] if args.model is not None else [])]
+    for name in FLEET_ATTACKS:
+        print(f"\n## {name}", flush=True)
+        code = max(code, importlib.import_module(name).main())
+    return code
+
+
+def cache_attacks(args) -> int:
+    """The three cache attacks on both configurations; 0 when the hardened one stops them all."""
     model = ensure_model(cache_dir() / "decoder-tiny", "tiny")
     codes = 20 if args.smoke else 1000
     rng = np.random.default_rng(0)
