@@ -23,7 +23,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from bench.fleet import INTRA_OP_THREADS, BenchModel, bench_model, parse_args, print_table
+from bench.fleet import (
+    INTRA_OP_THREADS,
+    BenchModel,
+    bench_model,
+    parse_args,
+    print_table,
+)
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
