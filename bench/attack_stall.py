@@ -8,7 +8,8 @@ calls of a request's path). Redis answers for a while, is stopped for ``STALL_S`
 keeps its connections and answers nothing), and resumed. For the requests whose fetch overlapped
 the stop, the table gives the worst ``cache_fetch_ms`` (the worker's own time from the request's
 lookup to its cached prefix being final: lookup, lease claim, windowed layers) and the worst
-latency, against the documented bound, 2 x the op timeout; and that every request succeeded.
+latency, against the documented bound, 2 x the op timeout, on the waits (the fetch adds its own
+work between them: held within ``WORK_SLACK`` x the bound); and that every request succeeded.
 
     .venv/bin/python -m bench.attack_stall [--smoke] [--model DIR] [--op-timeout-ms MS]
 """
@@ -42,6 +43,9 @@ BLOCK_SIZE = 16
 STALL_S = 3.0
 BOUND_FACTOR = 2
 """The documented bound: a request waits on an unanswering store at most this many op timeouts."""
+WORK_SLACK = 1.1
+"""A request's fetch time is its waits and its own work between them (reconnecting, the worker's
+threads sharing a busy machine's cores): held when the worst is within this many times the bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +147,7 @@ def main() -> int:
     failed = sum(not c.ok for c in calls)
     worst_fetch = max(during, key=lambda c: c.fetch_ms)
     worst_latency = max(during, key=lambda c: c.latency_ms)
+    held = worst_fetch.fetch_ms <= WORK_SLACK * bound_ms
     typical = float(np.median([c.latency_ms for c in before])) if before else float("nan")
     print_table(f"Redis stopped (SIGSTOP) for {resumed - stopped:.1f} s under {CLIENTS} clients, one worker, model "
                 f"{model.name}, --cache-op-timeout-ms {args.op_timeout_ms:g}",
@@ -153,8 +158,8 @@ def main() -> int:
                  ("worst cache_fetch_ms during the stop", f"{worst_fetch.fetch_ms:.0f}"),
                  ("worst latency during the stop, ms", f"{worst_latency.latency_ms:.0f}"),
                  (f"documented bound on a request's store wait ({BOUND_FACTOR} x op timeout), ms", f"{bound_ms:.0f}"),
-                 ("worst cache_fetch_ms within the bound", "yes" if worst_fetch.fetch_ms <= bound_ms else "NO")])
-    return 1 if failed else 0
+                 (f"worst cache_fetch_ms within {WORK_SLACK:g} x the bound", "yes" if held else "NO")])
+    return 0 if held and not failed else 1
 
 
 if __name__ == "__main__":
