@@ -55,6 +55,13 @@ def _charge(exc: BaseException, waited_s: float | None) -> None:
 _NONE = object()
 
 
+def _set_timeout(sock, timeout_s: float | None) -> None:
+    """Gives the socket's next waits ``timeout_s`` (a system call only when it changes: a fetch
+    reads a reply per block)."""
+    if sock.gettimeout() != timeout_s:
+        sock.settimeout(timeout_s)
+
+
 class _Budgeted:
     """Mixin before a redis-py connection class (``budgeted``)."""
 
@@ -92,7 +99,7 @@ class _Budgeted:
         if not self._sock:
             self.connect_check_health(check_health=False)  # its own waits, budgeted where they are
         timeout = _wait_s(self._socket_timeout)
-        self._sock.settimeout(timeout)
+        _set_timeout(self._sock, timeout)
         try:
             return super().send_packed_command(command, check_health=check_health)
         except redis.TimeoutError as exc:
@@ -108,7 +115,7 @@ class _Budgeted:
             self.disconnect()  # the reply asked for will not be read: the connection is out of step
             raise
         if self._sock is not None:
-            self._sock.settimeout(timeout)
+            _set_timeout(self._sock, timeout)
         try:
             return super().read_response(*args, **kwargs)
         except redis.TimeoutError as exc:
