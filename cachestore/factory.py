@@ -25,6 +25,10 @@ from redis.retry import Retry
 
 from cachestore.breaker import BreakerPolicy
 from cachestore.memory import MemoryStore
+from cachestore.redis_budget import (
+    BudgetedBlockingConnectionPool,
+    BudgetedConnectionPool,
+)
 from cachestore.redis_store import RedisStore
 from cachestore.resilient import ResilientStore
 from cachestore.signed import SignedStore
@@ -45,10 +49,17 @@ class RedisTLS:
     key_file: Path | None = None
 
 
+REQUEST_OP_TIMEOUTS = 2
+"""A request's calls to a store that does not answer wait this many op timeouts in all, at most
+(``cachestore.budget``): one call and its one retry, or two calls, never more, whatever the store
+does; then the request computes."""
+
+
 @dataclass(frozen=True, slots=True)
 class StoreOptions:
     ttl_s: int = 3600
     op_timeout_ms: float = 250.0
+    """Bounds each socket wait of a store call; ``REQUEST_OP_TIMEOUTS`` of them bound a request's."""
     connect_timeout_ms: float = 100.0
     max_connections: int = 32
     memory_max_bytes: int = 512 * 1024 * 1024
@@ -99,15 +110,17 @@ def _redis_connector(url: str, options: StoreOptions) -> tuple[Callable[[], redi
         socket_timeout=options.op_timeout_ms / 1e3,
         socket_connect_timeout=options.connect_timeout_ms / 1e3,
         # One retry absorbs a pooled connection that went stale (e.g. Redis restarted); more
-        # would only hold a request up while the store is down.
+        # would only hold a request up while the store is down (and the request's budget ends
+        # any retry: ``cachestore.redis_budget``).
         retry=Retry(NoBackoff(), 1),
     )
     if parts.scheme in ("redis+cluster", "rediss+cluster"):
         plain = urlunsplit((parts.scheme.split("+")[0], parts.netloc, parts.path, parts.query, ""))
-        return (lambda: RedisCluster.from_url(plain, max_connections=options.max_connections, **common)), "redis-cluster"
+        return (lambda: RedisCluster.from_url(plain, max_connections=options.max_connections,
+                                              connection_pool_class=BudgetedConnectionPool, **common)), "redis-cluster"
 
     def connect() -> redis.Redis:
-        pool = redis.BlockingConnectionPool.from_url(
+        pool = BudgetedBlockingConnectionPool.from_url(
             url, max_connections=options.max_connections, timeout=options.op_timeout_ms / 1e3, **common
         )
         return redis.Redis(connection_pool=pool)
@@ -137,7 +150,8 @@ def open_store(url: str, options: StoreOptions, stats: CacheStats) -> KVStore:
             "rediss+cluster:// (a Redis one optionally prefixed with tiered+)"
         )
     connect, name = _redis_connector(url, options)
-    shared: KVStore = ResilientStore(RedisStore(connect, options.ttl_s, name), stats, options.breaker)
+    request_wait_s = REQUEST_OP_TIMEOUTS * options.op_timeout_ms / 1e3
+    shared: KVStore = ResilientStore(RedisStore(connect, options.ttl_s, name, request_wait_s), stats, options.breaker)
     if options.keyring is not None:
         shared = SignedStore(shared, options.keyring, stats)
     return TieredStore(MemoryStore(options.l1_max_bytes), shared) if tiered else shared

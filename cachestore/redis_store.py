@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import redis
 from redis.cluster import RedisCluster
 
+from cachestore.budget import StallBudget
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.redis_notices import RedisNotices
 from cachestore.store import KVStore, Notices, StoreReplyError
@@ -85,8 +86,13 @@ class RedisStore(KVStore):
     """``connect`` makes the client on first use, and again after it failed, so that a worker
     starts and serves while Redis (or the cluster's seed node) is still unreachable."""
 
-    def __init__(self, connect: Callable[[], redis.Redis | RedisCluster], ttl_s: int, name: str = "redis") -> None:
+    def __init__(self, connect: Callable[[], redis.Redis | RedisCluster], ttl_s: int, name: str = "redis",
+                 request_wait_s: float = 0.0) -> None:
+        """``request_wait_s``: what one request's calls may wait in all on a server that does not
+        answer (``stall_budget``; 0: no bound but each wait's timeout). Budgets bind only
+        connections from ``cachestore.redis_budget``'s pools, which ``factory`` gives ``connect``."""
         self._connect = connect
+        self.request_wait_s = request_wait_s
         self._client_or_none: redis.Redis | RedisCluster | None = None
         self._lock = threading.Lock()
         self.ttl_s = ttl_s
@@ -104,6 +110,9 @@ class RedisStore(KVStore):
     @property
     def _cluster(self) -> bool:
         return isinstance(self._client, RedisCluster)
+
+    def stall_budget(self) -> StallBudget | None:
+        return StallBudget(self.request_wait_s) if self.request_wait_s > 0 else None
 
     def get(self, key: str) -> bytes | None:
         return _values([self._client.get(key)], 1)[0]

@@ -4,7 +4,8 @@ Every failure is counted; one log line is written per burst of failures (the fir
 line when the store answers again), at most one of each per 10 s when failures and successes
 alternate; a circuit breaker stops calling a store that keeps failing and
 probes it again after a backoff. Reads and writes have a breaker each: a store that refuses writes
-(full, with ``noeviction``) still serves the blocks it holds.
+(full, with ``noeviction``) still serves the blocks it holds. A call made on a thread whose
+request has waited its budget on the store (``cachestore.budget``) is skipped too, and counted.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+from cachestore import budget
 from cachestore.breaker import BreakerPolicy, BreakerState, CircuitBreaker
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
@@ -36,9 +38,19 @@ class ResilientStore(KVStore):
         self._logs = {(kind, state): RateLimitedLog(log) for kind in ("reads", "writes") for state in ("failing", "back")}
         self._announce_log = RateLimitedLog(log)
 
-    def _call(self, breaker: CircuitBreaker, operation: str, fn: Callable[[], T], fallback: T) -> T:
+    def _allowed(self, breaker: CircuitBreaker) -> bool:
+        """Whether a call goes to the store: not once this thread's request has waited its budget
+        on it (checked first: the call would fail at once, and is no probe of the breaker's)."""
+        if budget.spent():
+            self.stats.add(budget_skipped=1)
+            return False
         if not breaker.allow():
             self.stats.add(short_circuited=1)
+            return False
+        return True
+
+    def _call(self, breaker: CircuitBreaker, operation: str, fn: Callable[[], T], fallback: T) -> T:
+        if not self._allowed(breaker):
             return fallback
         try:
             result = fn()
@@ -82,10 +94,7 @@ class ResilientStore(KVStore):
     def iter_many(self, keys: Sequence[str]) -> Iterator[bytes | None]:
         """The inner store's values as they arrive; a failure part-way ends the iteration (the
         rest are misses), counted like any failed read."""
-        if not keys:
-            return
-        if not self.read_breaker.allow():
-            self.stats.add(short_circuited=1)
+        if not keys or not self._allowed(self.read_breaker):
             return
         try:
             yield from self.inner.iter_many(keys)

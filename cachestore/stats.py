@@ -17,6 +17,9 @@ class CacheStats:
     cross_misses: int = 0
     values_too_large: int = 0
     short_circuited: int = 0
+    budget_skipped: int = 0
+    """Store calls skipped because their request had already waited its budget on a store that
+    did not answer (``cachestore.budget``): it computes instead."""
     blocks_written: int = 0
     publishes_dropped: int = 0
     blocks_awaited: int = 0

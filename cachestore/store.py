@@ -10,6 +10,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Iterator, Sequence
 
+from cachestore.budget import StallBudget
+
 ERROR_KINDS = ("timeout", "connection", "tls", "auth", "out_of_memory", "response", "protocol", "error")
 """Every label ``KVStore.error_kind`` may return (metrics show each from the start)."""
 
@@ -104,6 +106,14 @@ class KVStore(ABC):
         """A subscription to announcements, idle until it is given keys; None when this store
         cannot deliver them (a listener looks for changes itself)."""
         return None
+
+    def stall_budget(self) -> StallBudget | None:
+        """A fresh budget for one request's calls to this store (``cachestore.budget``): what their
+        waits on a store that does not answer may add up to, used by the thread making them
+        inside ``budget.spending``. None: this store never waits on anything (memory). A store
+        that wraps another (``inner``: a ``ResilientStore``, a ``SignedStore``) gives the inner one's."""
+        inner = getattr(self, "inner", None)
+        return inner.stall_budget() if isinstance(inner, KVStore) else None
 
     def error_kind(self, exc: Exception) -> str:
         """A short label for a failure this store raised: one of ``ERROR_KINDS``."""

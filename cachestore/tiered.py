@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from cachestore.budget import StallBudget
 from cachestore.memory import MemoryStore
 from cachestore.store import KVStore, Notices
 
@@ -52,6 +53,9 @@ class TieredStore(KVStore):
 
     def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
         self.l2.renew(key, token, ttl_ms)
+
+    def stall_budget(self) -> StallBudget | None:
+        return self.l2.stall_budget()
 
     def error_kind(self, exc: Exception) -> str:
         return self.l2.error_kind(exc)

@@ -34,7 +34,7 @@ class Settings(FlagSettings):
     http_timeout_s: float = field(default=0.0, metadata={"min": 0.0, "max": 86400.0, "help": "Deadline of one HTTP API request, its whole stream included; past it the answer is 504 (or a stream ends with an error event). 0 = none."})
     cache_url: str = field(default="memory://", metadata={"help": "Shared KV store: memory://, redis://host:port, rediss://, unix://, redis+cluster://, tiered+<redis URL>.", "aliases": ["--cache"]})
     cache_ttl_s: int = field(default=3600, metadata={"help": "Seconds a published block lives in Redis (SET NX EX)."})
-    cache_op_timeout_ms: float = field(default=250.0, metadata={"help": "Socket deadline of a store operation; past it (twice, with the one retry) the worker computes instead."})
+    cache_op_timeout_ms: float = field(default=250.0, metadata={"help": "Bounds each socket wait of a store call (a connection to open or come free, a command to send, each reply). A request's waits on a store that stops answering add up to at most twice this in all (lookup, lease claim, windowed layers and cross K/V together, the one retry included); then it computes. Bytes that keep arriving are not cut."})
     cache_connect_timeout_ms: float = field(default=100.0, metadata={"help": "Deadline for opening a connection to the store."})
     cache_max_connections: int = field(default=32, metadata={"help": "Connections per Redis node in the worker's pool."})
     cache_memory_bytes: int = field(default=512 * 1024 * 1024, metadata={"help": "Size bound of the memory:// store."})

@@ -39,6 +39,9 @@ _CACHE_COUNTERS = {
     "publishes_dropped": ("kvshare_cache_publishes_dropped", "Publishes dropped because too many were pending."),
     "values_too_large": ("kvshare_cache_values_too_large", "Cross-attention values not stored for their size."),
     "short_circuited": ("kvshare_cache_short_circuited", "Store operations skipped while a breaker was open."),
+    "budget_skipped": ("kvshare_cache_budget_skipped",
+                       "Store operations skipped because their request had already waited twice "
+                       "--cache-op-timeout-ms on a store that did not answer (it computes instead)."),
     "blocks_awaited": ("kvshare_cache_blocks_awaited", "Missing blocks another worker held the lease on computing."),
     "blocks_received": ("kvshare_cache_blocks_received", "Awaited blocks that arrived while waiting (not computed here)."),
     "fetches_skipped": ("kvshare_prefix_fetch_skipped",

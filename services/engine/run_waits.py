@@ -22,6 +22,10 @@ token. One thread polls every waiting sequence; no read thread is held by a wait
 announces the holder's chunks (Redis pub/sub), a waiter looks when one is announced, and
 otherwise only every ``IDLE_POLLS`` polls or when one of the bounds above falls due: a waiting
 worker sent Redis 187 commands a second polling every 10 ms, 40 with announcements.
+
+Each wait's store calls spend its row's budget (``cachestore.budget``); one pass over the waits
+due spends a budget of its own as well, so that rows stepped one after another on this thread
+wait on a store that does not answer 2 x the op timeout in all per pass, not that much each.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from cachestore.budget import StallBudget, spending
 from cachestore.store import Notices
 
 log = logging.getLogger(__name__)
@@ -170,9 +175,11 @@ class RunWaits:
     on the channels waited on (``KVStore.notices``), when the holder announces a chunk and
     otherwise ``IDLE_POLLS`` polls apart or when a bound falls due (``_due_at``)."""
 
-    def __init__(self, poll_ms: float, notices: Callable[[Callable[[str, bool], None]], Notices | None] | None = None
-                 ) -> None:
+    def __init__(self, poll_ms: float, notices: Callable[[Callable[[str, bool], None]], Notices | None] | None = None,
+                 pass_budget: Callable[[], StallBudget | None] = lambda: None) -> None:
+        """``pass_budget``: a fresh budget for one pass over the waits due (``KVStore.stall_budget``)."""
         self._poll_s = poll_ms / 1e3
+        self._pass_budget = pass_budget
         self._waits: list[RunWait] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -259,17 +266,18 @@ class RunWaits:
                 waits = [wait for wait in self._waits if self._due_at(wait, live) <= now]
                 for wait in waits:
                     wait.noticed, wait.stepped_at = False, now
-            for wait in waits:
-                try:
-                    end = self._step(wait)
-                except Exception:  # noqa: BLE001 - one wait's failure must not strand the others
-                    log.exception("polling for another worker's blocks failed; computing instead")
-                    end = WaitEnd.FAILED
-                if end is not None:
-                    with self._cond:
-                        self._waits.remove(wait)
-                        self._listen()
-                    self._end(wait, end)
+            with spending(self._pass_budget()):
+                for wait in waits:
+                    try:
+                        end = self._step(wait)
+                    except Exception:  # noqa: BLE001 - one wait's failure must not strand the others
+                        log.exception("polling for another worker's blocks failed; computing instead")
+                        end = WaitEnd.FAILED
+                    if end is not None:
+                        with self._cond:
+                            self._waits.remove(wait)
+                            self._listen()
+                        self._end(wait, end)
         for wait in waits:
             self._end(wait, WaitEnd.CANCELLED)
 

@@ -75,7 +75,7 @@ class KVConnector:
         self.writes = PublishQueue(options.store_write_threads, options.max_pending_publishes,
                                    options.max_pending_publish_bytes, cache_stats)
         leases = options.leases
-        self.waits = RunWaits(leases.poll_ms, store.notices if leases.enabled else None)
+        self.waits = RunWaits(leases.poll_ms, store.notices if leases.enabled else None, store.stall_budget)
         self.encodes = EncoderRuns()
         # What crosses the wire is the storage dtype's K/V, not the model's, and of windowed layers
         # only a window's worth, which the estimate leaves out (``FetchPolicy.token_bytes``).

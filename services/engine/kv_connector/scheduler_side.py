@@ -7,6 +7,10 @@ when. Three sources, each bounded by what computing would cost:
   row waits on the waits' thread (``services.engine.run_waits``) and, after giving up, follows
   the holder on a ``Trail``;
 - another row of this worker holding the same prefix (``in_worker``): copied, or waited for.
+
+Every store call a row makes for its prompt (the fetch's, its waits' and its trail's) is within
+the row's ``StallBudget`` (``cachestore.budget``): on a store that does not answer they wait
+2 x the op timeout in all, at most, and the row computes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TypeVar
 
+from cachestore.budget import spending
 from cachestore.cross import CrossStore
 from cachestore.keys import lease_key, progress_channel
 from cachestore.prefix import PrefixLookup, PrefixStore
@@ -28,7 +34,7 @@ from services.engine.kv_connector import in_worker
 from services.engine.kv_connector.encoder_runs import Encode, EncoderRuns
 from services.engine.kv_connector.fetch_policy import FetchPolicy, LookupClock
 from services.engine.kv_connector.publish_queue import PublishQueue, after
-from services.engine.kv_connector.state import Ahead, Trail, cached_tokens
+from services.engine.kv_connector.state import Ahead, SequenceKV, Trail, cached_tokens
 from services.engine.leases import Claim, HeldLeases, Tokens
 from services.engine.run_waits import (
     MIN_STALL_MS,
@@ -50,6 +56,16 @@ EARLY_WAIT_ENDS = frozenset({WaitEnd.STALLED, WaitEnd.SLOWER, WaitEnd.RELEASED})
 Receiver = BlockReceiver | None
 """Copies block i of a lookup into the row's slot as it arrives (``SlotBank.receiver``); None
 where the slots cannot take blocks before the row's first step."""
+R = TypeVar("R")
+
+
+def within_budget(kv: SequenceKV, call: Callable[..., R]) -> Callable[..., R]:
+    """``call``, its store calls made within the row's budget (on whichever thread it runs)."""
+    def budgeted(*args):
+        with spending(kv.store_budget):
+            return call(*args)
+
+    return budgeted
 
 
 class KVConnectorScheduler:
@@ -93,7 +109,15 @@ class KVConnectorScheduler:
         then ``done`` is called once every part has ended. A prompt whose run the fetch policy
         expects faster to compute than to fetch reads none of it and takes or waits on no lease
         (``SequenceKV.fetch_skipped``); the policy weighs the decoder prompt's blocks only (an
-        encoder input's cross K/V is one value)."""
+        encoder input's cross K/V is one value). Its store calls, here and in the waits it starts,
+        are within the row's budget (``SequenceKV.store_budget``)."""
+        kv = seq.kv
+        if kv.store_budget is None:
+            kv.store_budget = self.store.stall_budget()
+        with spending(kv.store_budget):
+            return self._fetch(seq, receiver, done, encode)
+
+    def _fetch(self, seq: Sequence, receiver: Receiver, done: Callable[[], None], encode: Encode | None) -> bool:
         t = time.perf_counter()
         kv = seq.kv
         if encode is not None and not kv.cache.skip_read:
@@ -163,15 +187,15 @@ class KVConnectorScheduler:
 
         self.cache_stats.add(blocks_awaited=run)
         wait = RunWait(
-            fetch_more=lambda: self._fetch_more(kv.lookup, size, receiver),
+            fetch_more=within_budget(kv, lambda: self._fetch_more(kv.lookup, size, receiver)),
             missing=lambda: len(kv.lookup.hashes) - kv.lookup.hit_blocks,
-            held=lambda: self.store.holder(key) == holder,
+            held=within_budget(kv, lambda: self.store.holder(key) == holder),
             cancelled=lambda: seq.aborted or seq.done,
             compute_s=lambda blocks: factor * self.pace.expected_ms(blocks * size) / 1e3,
             stall_s=stall_ms / 1e3,
             first_stall_s=max(stall_ms, factor * self.pace.expected_ms(run * size)) / 1e3,
             pace_blocks=-(-2 * self.chunk_tokens // size),
-            on_end=end,
+            on_end=within_budget(kv, end),
             channel=progress_channel(holder),
         )
         self.waits.add(wait)
@@ -212,15 +236,15 @@ class KVConnectorScheduler:
                                     found.windows))
 
         self.waits.add(RunWait(
-            fetch_more=lambda: self._fetch_more(found, size, None),
+            fetch_more=within_budget(kv, lambda: self._fetch_more(found, size, None)),
             missing=lambda: max(0, wanted - found.hit_blocks),
-            held=lambda: self.store.holder(trail.key) == trail.holder,
+            held=within_budget(kv, lambda: self.store.holder(trail.key) == trail.holder),
             cancelled=lambda: seq.aborted or seq.done,
             compute_s=lambda blocks: leases.wait_factor * ms_per_token * blocks * size / 1e3,
             stall_s=bound_s,
             first_stall_s=bound_s,
             pace_blocks=chunk_blocks,
-            on_end=end,
+            on_end=within_budget(kv, end),
             channel=progress_channel(trail.holder),
         ))
         return result

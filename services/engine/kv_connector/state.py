@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from cachestore.budget import StallBudget
 from cachestore.keys import BlockHash, Namespace
 from cachestore.prefix import PrefixLookup
 from services.engine.generation import CacheControl
@@ -110,6 +111,10 @@ class SequenceKV:
     The windowed layers of a fetched run hold K/V only over its last window (the rest is never
     read by this row), so a copy of fewer tokens would give the copier positions it reads but
     this row never filled. 0: any."""
+    store_budget: StallBudget | None = None
+    """What the row's store calls may still wait on a store that does not answer (set by its
+    fetch; ``cachestore.budget``): its fetch, its waits for another worker's blocks and its
+    trail's looks all spend it, so a stalled store holds the row up once, not at each."""
     fetch_skipped: bool = False
     """Its prompt's cached run was expected faster to compute than to fetch (``fetch_policy``):
     it read, claimed and waited for none of it, and publishes none of its prompt. The store
