@@ -78,9 +78,10 @@ def test_24_unread_streams_of_one_client_do_not_keep_another_from_being_served(t
     still runs to the end: it takes the queue place of the first client's newest request (which
     is refused RESOURCE_EXHAUSTED, before any work), and a paused stream of the first client,
     holding more than its fair part of the slots, gives its slot up. Before, the second client was
-    refused (the queue was full) for as long as the 24 streams lasted."""
+    refused (the queue was full) for as long as the 24 streams lasted. (The scheduler sleeps on the
+    paused streams' --max-paused-s of an hour when the second client comes: its arrival must wake it.)"""
     engine = make_engine(tiny_model, max_batch=8, max_queued=16, max_unread_tokens=2, max_paused_s=3600.0,
-                         yield_paused_s=0.0)
+                         yield_paused_s=0.2)
     hoarder, victim = "peer:10.0.0.1", "peer:10.0.0.2"
 
     async def scenario():
@@ -228,4 +229,60 @@ def test_tokenize_answers_over_the_message_limit_are_refused_before_work(tiny_mo
     with pytest.raises(InvalidRequest, match="token_ids"):
         small.check_tokenize(TokenizeRequest(token_ids=[3] * 200))
     small.check_tokenize(TokenizeRequest(text="a" * 100))
+    engine.close()
+
+
+def test_push_out_refuses_nobody_when_it_cannot_make_room(tiny_model):
+    """--max-batch 2 --max-queued 2: a holds both slots and one queued row, c one queued row. b asks
+    for 2 rows: refusing a's queued request would still leave no room, so b alone is refused and
+    a's request stays queued (found by an attack: both were refused)."""
+    engine = make_engine(tiny_model, max_batch=2, max_queued=2, max_unread_tokens=2, max_paused_s=3600.0,
+                         yield_paused_s=3600.0)
+
+    async def scenario():
+        streams = [engine.generate(for_client(request(prompt(12, i), n=400), client))
+                   for i, client in enumerate(["tenant:a", "tenant:a", "tenant:a", "tenant:c"])]
+        for s in streams[:2]:
+            await s.__anext__()
+        queued = []
+        for count, s in enumerate(streams[2:], 1):
+            queued.append(asyncio.ensure_future(s.__anext__()))
+            await wait_for(lambda: engine.scheduler.queued == count, "a request queued")
+        group = for_client(request(prompt(12, 9), n=3), "tenant:b")
+        group.n = 2
+        with pytest.raises(Overloaded, match="the worker is full"):
+            await run_stream(engine, group)
+        still = engine.scheduler.queued
+        for f in queued:
+            f.cancel()
+        await asyncio.gather(*queued, return_exceptions=True)
+        for s in streams:
+            await s.aclose()
+        return still
+
+    assert asyncio.run(scenario()) == 2
+    assert engine.scheduler.stats.pushed_out == 0
+    engine.close()
+
+
+def test_a_waiting_client_wakes_the_yielding_of_unread_streams(tiny_model):
+    """The scheduler sleeps on the paused streams' --max-paused-s (an hour here) when another
+    client's request queues: its arrival must shorten that to --yield-paused-s, so that one of the
+    unread streams gives its slot up (found by an attack: nothing woke the scheduler, and the
+    hoarder kept every slot until --max-paused-s)."""
+    engine = make_engine(tiny_model, max_batch=2, max_queued=4, max_unread_tokens=2, max_paused_s=3600.0,
+                         yield_paused_s=0.2)
+
+    async def scenario():
+        streams = [engine.generate(for_client(request(prompt(12, i), n=400), "tenant:a")) for i in range(2)]
+        for s in streams:
+            await s.__anext__()
+        await wait_for(lambda: all(s.paused for s in engine.scheduler.active), "a's streams to pause")
+        tokens, _, _ = await run_stream(engine, for_client(request(prompt(12, 7), n=3), "tenant:b"))
+        for s in streams:
+            await s.aclose()
+        return tokens
+
+    assert len(asyncio.run(scenario())) == 3
+    assert engine.scheduler.stats.yielded == 1
     engine.close()

@@ -166,23 +166,32 @@ class Scheduler:
 
     def _push_out(self, client: str, rows: int) -> bool:
         """Whether ``rows`` more of ``client`` fit, after making room in a full worker: the newest
-        queued request of the client holding the most rows is refused, while that client holds more
-        than ``client`` would (lock held). A client alone keeps the whole queue; clients contending
-        for it end up holding equal parts."""
+        queued requests of the clients holding the most rows are refused, while such a client holds
+        more than ``client`` would, and only if that makes room (lock held). A client alone keeps
+        the whole queue; clients contending for it end up holding equal parts."""
         life = self.life
-        held = life.shares.held
-        while self._place(rows, life.shares.reserved) is None:
-            mine = held[client] + rows
-            queued = [r for r in life.queue if r[0].client != client and held[r[0].client] > mine]
+        reserved = life.shares.reserved
+        if self._place(rows, reserved) is not None:
+            return True
+        held, victims = Counter(life.shares.held), []
+        mine = held[client] + rows
+        while True:
+            queued = [r for r in life.queue if r[0].client != client and held[r[0].client] > mine
+                      and not any(r is v for v in victims)]
             if not queued:
-                return False
+                return False  # even refusing every request it may would not make room: refuse none
             most = max(held[r[0].client] for r in queued)
             victim = next(r for r in reversed(queued) if held[r[0].client] == most)
+            victims.append(victim)
+            held[victim[0].client] -= len(victim)
+            if self._place(rows, reserved, victims) is not None:
+                break
+        for victim in victims:
             life.stats.pushed_out += 1
             exc = Overloaded(
                 f"refused while queued: the worker was full and another client arrived holding fewer rows than this "
-                f"client's {most} (running, queued or being prepared), the most of any client; retry later or on "
-                "another replica")
+                f"client's {life.shares.held[victim[0].client]} (running, queued or being prepared), the most of any "
+                "client; retry later or on another replica")
             for seq in victim:
                 life.fail(seq, exc)
             wake_consumers(victim)
@@ -206,6 +215,9 @@ class Scheduler:
             elif place == "queue":
                 life.queue.append(rows)
                 self._admit()
+                # A waiter shortens the paused streams' patience to yield_paused_s: the scheduler
+                # thread may be asleep on a max_paused_s timeout computed before it came.
+                life.cond.notify()
             else:
                 life.shares.release(reservation.client, reservation.rows)
                 raise self._full()
@@ -219,16 +231,17 @@ class Scheduler:
                 self.life.shares.placed(reservation.rows)
                 self.life.shares.release(reservation.client, reservation.rows)
 
-    def _place(self, rows: int, reserved: int = 0) -> str | None:
+    def _place(self, rows: int, reserved: int = 0, without: list[list[Sequence]] = ()) -> str | None:
         """Where ``rows`` more would go now, after ``reserved`` rows of requests still being prepared
-        (under ``life.cond``): "start" (free slots, nobody queued before them), "queue", or None (the
-        worker is full)."""
+        and with the queued requests ``without`` gone (under ``life.cond``): "start" (free slots,
+        nobody queued before them), "queue", or None (the worker is full)."""
         life, batch = self.life, self.options.max_batch
-        if len(life.active) + reserved + rows <= batch and not life.queue:
+        queued = life.queued - sum(len(r) for r in without)
+        if len(life.active) + reserved + rows <= batch and not queued:
             return "start"
         # The reserved rows that find no free slot will queue ahead of these.
-        ahead = reserved if life.queue else max(0, len(life.active) + reserved - batch)
-        return "queue" if life.queued + ahead + rows <= self.options.max_queued else None
+        ahead = reserved if queued else max(0, len(life.active) + reserved - batch)
+        return "queue" if queued + ahead + rows <= self.options.max_queued else None
 
     def _full(self) -> Overloaded:
         """The refusal of a full worker, counted (under ``life.cond``)."""
