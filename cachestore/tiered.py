@@ -50,8 +50,8 @@ class TieredStore(KVStore):
     def release(self, key: str, token: bytes) -> None:
         self.l2.release(key, token)
 
-    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
-        self.l2.renew(key, token, ttl_ms)
+    def renew(self, key: str, token: bytes, ttl_ms: int, replacement: bytes | None = None) -> bool:
+        return self.l2.renew(key, token, ttl_ms, replacement)
 
     def error_kind(self, exc: Exception) -> str:
         return self.l2.error_kind(exc)
