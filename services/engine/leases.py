@@ -10,7 +10,28 @@ lease is written under the sequence's own token (the worker's token and a row nu
 row's end never ends a lease another row of the same worker holds. ``end`` releases them all
 (compare-and-delete); a lease never released expires. After each chunk and after the end, the
 holder announces on its token's channel (``KVStore.announce``, ``keys.progress_channel``), so that
-waiters on any of its leases look then rather than polling in between.
+waiters on any of its leases look then rather than polling in between. A lease lives at most
+``LeaseOptions.max_ttl_ms`` (``--lease-max-ttl-ms``) past the latest chunk.
+
+Anyone who can write to Redis can write a lease, so a lease is never trusted beyond a bounded wait:
+
+- signed (``--cache-signing-key-file``; ``SignedStore``): the lease's value is its token and its
+  expiry (epoch ms), under the MAC (``cachestore.lease_terms``). The token names the worker
+  process (fresh per start) and a row number never reused, so no two claims sign the same value;
+  each renewal signs a fresh expiry and replaces the value the holder wrote last (compare-and-set).
+  A waiter honours a lease only while its signed expiry lies between now minus the clock skew and
+  now plus the longest lease plus the skew (``--lease-clock-skew-ms``, default 1 s): a lease
+  copied while its holder computed and written back later (with any ``PX``) is refused, deleted
+  and claimed by the reader, which computes at once; a copy written back at once holds a waiter
+  no longer than what remained of it, and no longer than the unsigned bound below.
+- unsigned: a forged lease holds a waiter for at most ``--lease-wait-factor`` (default 2) times
+  the waiter's own expected prefill of the run (``run_waits``: its measured pace; no floor), after
+  which it computes, and its later looks for the "holder's" blocks only read the store (``Trail``).
+  So a forged lease costs at most about (1 + wait factor) times a cold prefill: 3x by default
+  (``bench/attack_leases.py``: 709-token prompts on the tiny model, 12.9 -> 40.0 ms, 3.1x; it was
+  13x, 34x for 101-token prompts, when a 100 ms floor bounded the first wait from below). A run
+  the waiter expects to compute, wait factor included, within one ``--lease-poll-ms`` is not
+  waited for at all.
 """
 
 from __future__ import annotations
