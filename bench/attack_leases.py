@@ -52,8 +52,8 @@ from services.local.worker_process import WorkerProcess
 
 BLOCK = 16
 SHORT, LONG = 6 * BLOCK + 5, 44 * BLOCK + 5
-"""A victim's prompt: 6 full blocks and a tail (as ``bench.attacks``: one prefill chunk, cheaper
-to compute than one lease poll takes on the tiny model), or 44 and a tail (three chunks)."""
+"""A victim's prompt: 6 full blocks and a tail (as ``bench.attacks``: one prefill chunk, which the
+tiny model computes in less than one lease poll), or 44 and a tail (three chunks)."""
 CAPTURE_TOKENS = 48 * BLOCK
 """The prompt a holder computes while the attacker reads its lease: long enough (several prefill
 chunks) that the lease on its first block is there for a few polls."""

@@ -121,20 +121,6 @@ def forge_leases(engine, redis_server, ids: list[int]) -> None:
             client.set(lease_of(engine, ids, block), b"attacker.1", px=600_000)
 
 
-def test_a_run_cheaper_to_compute_than_a_poll_is_computed_not_waited_for(tiny_model, redis_server, redis_url):
-    """2 x 0.01 ms x 384 tokens = 7.7 ms, under the 10 ms poll: a waiter would look again only
-    after computing would have ended, so the lease (forged here) is not waited on at all."""
-    engine, waits = pinned_engine(redis_url, tiny_model, ms_per_token=0.01)
-    try:
-        ids = prompt(PREFIX, 81) + prompt(B // 2, 181)
-        forge_leases(engine, redis_server, ids)
-        tokens, _, _ = asyncio.run(run_stream(engine, request(ids, n=8)))
-        assert not engine.cache_stats.lease_waits and not waits, "nobody waited"
-        assert tokens == alone(engine, request(ids, n=8))[0]
-    finally:
-        engine.close()
-
-
 def test_an_unsigned_forged_lease_costs_the_wait_factor_times_computing_the_run_and_no_more_waits(
         tiny_model, redis_server, redis_url):
     """Without a signing key anyone can write a lease. The victim waits for its first blocks at most

@@ -27,11 +27,11 @@ Anyone who can write to Redis can write a lease, so a lease is never trusted bey
 - unsigned: a forged lease holds a waiter for at most ``--lease-wait-factor`` (default 2) times
   the waiter's own expected prefill of the run (``run_waits``: its measured pace; no floor), after
   which it computes, and its later looks for the "holder's" blocks only read the store (``Trail``).
-  So a forged lease costs at most about (1 + wait factor) times a cold prefill: 3x by default
-  (``bench/attack_leases.py``: 709-token prompts on the tiny model, 12.9 -> 40.0 ms, 3.1x; it was
-  13x, 34x for 101-token prompts, when a 100 ms floor bounded the first wait from below). A run
-  the waiter expects to compute, wait factor included, within one ``--lease-poll-ms`` is not
-  waited for at all.
+  A wait looks at most once a ``--lease-poll-ms``, so the wait is at least one poll. So a forged
+  lease costs at most about (1 + wait factor) times a cold prefill, 3x by default, or a poll for
+  a cheaper prompt (``bench/attack_leases.py``, tiny model: 709-token prompts 11.3 -> 33.5 ms,
+  3.0x, and 101-token ones 2.4 -> 12.8 ms; before, 13x and 34x, when a 100 ms floor bounded the
+  first wait from below and the trail waited twice more).
 """
 
 from __future__ import annotations

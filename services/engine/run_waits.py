@@ -12,7 +12,7 @@ The wait ends, and the sequence computes whatever it still lacks, at the first o
   chunks' worth of this worker's prefill time between arrivals (at least ``MIN_STALL_MS``), and,
   for the first ones, the time it would take to compute the whole run, with no floor: a lease
   that nobody honours (forged, replayed, its holder dead) costs ``wait_factor`` times computing
-  the run, however cheap the run (a run cheaper than one poll is not waited for at all);
+  the run, however cheap the run (but a wait is stepped at most once a poll: at least one poll);
 - waiting has become slower than computing: at the pace the holder's blocks have arrived since
   the first of them (judged once as long has passed as computing two chunks would take), the
   missing ones would take longer than this worker computing them now, from its own measured

@@ -133,13 +133,9 @@ class KVConnectorScheduler:
         run = len(kv.lookup.hashes) - kv.lookup.hit_blocks  # blocks awaited
         factor, size = self.leases.wait_factor, kv.namespace.block_size
         # Before the first blocks, no floor: a lease that nobody honours (forged, replayed, its holder
-        # dead) costs the wait factor times computing the run here, however cheap the run. A run
-        # cheaper than that to compute within one poll is computed at once: a wait looks again only
-        # a poll after its first look, by when computing would have ended.
+        # dead) costs the wait factor times computing the run here, however cheap the run (or one
+        # poll: a wait's second look comes a poll after its first).
         first_stall_ms = factor * self.pace.expected_ms(run * size)
-        if first_stall_ms < self.leases.poll_ms:
-            self._fetched(seq, t, receiver)
-            return True
         with self._lock:
             # One store wait per lease and worker when it covers this row's: the worker's other
             # rows wait for that row's blocks and copy them from it (``in_worker.plan_share``).
