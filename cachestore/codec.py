@@ -79,6 +79,9 @@ class RejectReason(StrEnum):
     SIGNATURE = "signature"
     """Counted by the signed store: the value's MAC does not verify under any configured key (forged,
     altered, copied under another key, or signed with a key this worker does not hold)."""
+    LEASE = "lease"
+    """Counted by the signed store: a lease whose MAC verifies but that is not honoured, its signed
+    expiry past or further ahead than the longest lease (``cachestore.lease_terms``): a replay."""
     BAD_OUTPUT = "bad_output"
     """Counted by the engine, not the codec: values that passed every check, but the model's
     logits over them were NaN or infinite; the request's cached values are deleted and it is

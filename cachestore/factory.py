@@ -24,6 +24,7 @@ from redis.cluster import RedisCluster
 from redis.retry import Retry
 
 from cachestore.breaker import BreakerPolicy
+from cachestore.lease_terms import LeaseTerms
 from cachestore.memory import MemoryStore
 from cachestore.redis_budget import (
     BudgetedBlockingConnectionPool,
@@ -72,6 +73,8 @@ class StoreOptions:
     """AUTH password (empty: the URL's, if any)."""
     keyring: Keyring | None = None
     """Signs values written to and verifies values read from the shared tier."""
+    lease_terms: LeaseTerms = LeaseTerms()
+    """How long a signed lease may live and how far apart clocks may be (``SignedStore``)."""
 
 
 def url_holds_password(url: str) -> bool:
@@ -153,5 +156,5 @@ def open_store(url: str, options: StoreOptions, stats: CacheStats) -> KVStore:
     request_wait_s = REQUEST_OP_TIMEOUTS * options.op_timeout_ms / 1e3
     shared: KVStore = ResilientStore(RedisStore(connect, options.ttl_s, name, request_wait_s), stats, options.breaker)
     if options.keyring is not None:
-        shared = SignedStore(shared, options.keyring, stats)
+        shared = SignedStore(shared, options.keyring, stats, options.lease_terms)
     return TieredStore(MemoryStore(options.l1_max_bytes), shared) if tiered else shared

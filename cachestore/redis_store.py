@@ -52,11 +52,16 @@ if redis.call('TYPE', KEYS[1]).ok == 'string' and redis.call('GET', KEYS[1]) == 
   if ARGV[2] == '0' then
     return redis.call('DEL', KEYS[1])
   end
+  if ARGV[3] then
+    redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[2])
+    return 1
+  end
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
 end
 return 0
 """
-"""A lease's compare-and-delete (ARGV[2] 0) or compare-and-renew (ARGV[2] ms), atomic on the server."""
+"""A lease's compare-and-delete (ARGV[2] 0) or compare-and-renew (ARGV[2] ms; with ARGV[3], the
+value it holds from now on), atomic on the server; 1 when done, else 0."""
 
 
 def _wrong_type(reply: object) -> bool:
@@ -242,14 +247,16 @@ class RedisStore(KVStore):
         server (a script), so a lease that expired and was taken by another worker survives."""
         self._if_held(key, token, 0)
 
-    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
-        """Sets the lease to expire ``ttl_ms`` from now, only while ``token`` holds it."""
-        self._if_held(key, token, max(1, ttl_ms))
+    def renew(self, key: str, token: bytes, ttl_ms: int, replacement: bytes | None = None) -> bool:
+        """Sets the lease to expire ``ttl_ms`` from now, holding ``replacement`` if given, only
+        while ``token`` holds it."""
+        return self._if_held(key, token, max(1, ttl_ms), replacement)
 
-    def _if_held(self, key: str, token: bytes, ttl_ms: int) -> None:
+    def _if_held(self, key: str, token: bytes, ttl_ms: int, replacement: bytes | None = None) -> bool:
         if self._lease_script is None:
             self._lease_script = self._client.register_script(_IF_HELD)
-        self._lease_script(keys=[key], args=[token, ttl_ms])
+        args = [token, ttl_ms] if replacement is None else [token, ttl_ms, replacement]
+        return self._lease_script(keys=[key], args=args) == 1
 
     def announce(self, channels: Sequence[str]) -> None:
         """``PUBLISH`` on each channel: pipelined on one server; on a cluster one at a time (its

@@ -125,8 +125,8 @@ class ResilientStore(KVStore):
     def release(self, key: str, token: bytes) -> None:
         self._call(self.write_breaker, "release", lambda: self.inner.release(key, token), None)
 
-    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
-        self._call(self.write_breaker, "renew", lambda: self.inner.renew(key, token, ttl_ms), None)
+    def renew(self, key: str, token: bytes, ttl_ms: int, replacement: bytes | None = None) -> bool:
+        return self._call(self.write_breaker, "renew", lambda: self.inner.renew(key, token, ttl_ms, replacement), False)
 
     def announce(self, channels: Sequence[str]) -> None:
         """Best effort, outside the breakers: an announcement refused (an ACL without the channels)

@@ -94,9 +94,12 @@ class KVStore(ABC):
         """Ends the lease under ``key`` if ``token`` still holds it (a lease that expired and was
         taken by someone else is left alone)."""
 
-    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:  # noqa: B027 - optional: only shared stores keep leases
+    def renew(self, key: str, token: bytes, ttl_ms: int, replacement: bytes | None = None) -> bool:
         """Makes the lease under ``key`` expire ``ttl_ms`` milliseconds from now, if ``token``
-        still holds it: a holder that keeps making progress keeps its lease."""
+        still holds it, holding ``replacement`` from then on when one is given (a signed lease
+        carries its expiry: ``SignedStore`` signs a fresh one); True when it did. A holder that
+        keeps making progress keeps its lease. A store shared by no one keeps no leases: True."""
+        return True
 
     def announce(self, channels: Sequence[str]) -> None:  # noqa: B027 - optional: only shared stores have listeners
         """Tells whoever listens on ``channels`` (``notices``) that something changed, such as a

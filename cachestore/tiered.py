@@ -51,8 +51,8 @@ class TieredStore(KVStore):
     def release(self, key: str, token: bytes) -> None:
         self.l2.release(key, token)
 
-    def renew(self, key: str, token: bytes, ttl_ms: int) -> None:
-        self.l2.renew(key, token, ttl_ms)
+    def renew(self, key: str, token: bytes, ttl_ms: int, replacement: bytes | None = None) -> bool:
+        return self.l2.renew(key, token, ttl_ms, replacement)
 
     def stall_budget(self) -> StallBudget | None:
         return self.l2.stall_budget()

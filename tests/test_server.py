@@ -411,7 +411,8 @@ def test_prometheus_metrics_on_their_own_port(tiny_model, redis_server, redis_ur
     assert samples["kvshare_inter_token_latency_seconds_count[]"] == 8  # one per gap: 4 in each request
     for kind in ("timeout", "connection", "tls", "protocol"):  # a series each from the start, as for reasons
         assert samples[f"kvshare_cache_store_errors_total[('kind', '{kind}')]"] == 0
-    for reason in ("format", "owner", "checksum", "non_finite", "out_of_range", "unsigned", "signature", "bad_output"):
+    for reason in ("format", "owner", "checksum", "non_finite", "out_of_range", "unsigned", "signature", "lease",
+                   "bad_output"):
         assert samples[f"kvshare_cache_values_rejected_total[('reason', '{reason}')]"] == 0
 
 

@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 
 from cachestore.breaker import BreakerPolicy
 from cachestore.factory import RedisTLS, StoreOptions, open_store, url_holds_password
+from cachestore.lease_terms import LeaseTerms
 from cachestore.secret_files import load_secret
 from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
@@ -68,6 +69,7 @@ def store_options(settings: Settings) -> StoreOptions:
         username=settings.cache_username,
         password=cache_password(settings),
         keyring=keyring,
+        lease_terms=LeaseTerms(settings.lease_max_ttl_ms, settings.lease_clock_skew_ms),
     )
 
 
@@ -148,7 +150,7 @@ def load_engine(settings: Settings) -> Engine:
         max_stop_string_bytes=settings.max_stop_string_bytes, max_answer_bytes=settings.max_message_bytes,
         tokenizer_threads=settings.tokenizer_threads,
         audio_threads=settings.audio_threads, max_audio_requests=settings.max_audio_requests,
-        leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms),
+        leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms, max_ttl_ms=settings.lease_max_ttl_ms),
         prefix_fetch=PrefixFetch(settings.prefix_fetch), window_fetch=settings.window_fetch,
     )
     engine = Engine.load(settings.model, options, store, stats, device, settings.intra_op_threads,

@@ -10,7 +10,28 @@ lease is written under the sequence's own token (the worker's token and a row nu
 row's end never ends a lease another row of the same worker holds. ``end`` releases them all
 (compare-and-delete); a lease never released expires. After each chunk and after the end, the
 holder announces on its token's channel (``KVStore.announce``, ``keys.progress_channel``), so that
-waiters on any of its leases look then rather than polling in between.
+waiters on any of its leases look then rather than polling in between. A lease lives at most
+``LeaseOptions.max_ttl_ms`` (``--lease-max-ttl-ms``) past the latest chunk.
+
+Anyone who can write to Redis can write a lease, so a lease is never trusted beyond a bounded wait:
+
+- signed (``--cache-signing-key-file``; ``SignedStore``): the lease's value is its token and its
+  expiry (epoch ms), under the MAC (``cachestore.lease_terms``). The token names the worker
+  process (fresh per start) and a row number never reused, so no two claims sign the same value;
+  each renewal signs a fresh expiry and replaces the value the holder wrote last (compare-and-set).
+  A waiter honours a lease only while its signed expiry lies between now minus the clock skew and
+  now plus the longest lease plus the skew (``--lease-clock-skew-ms``, default 1 s): a lease
+  copied while its holder computed and written back later (with any ``PX``) is refused, deleted
+  and claimed by the reader, which computes at once; a copy written back at once holds a waiter
+  no longer than what remained of it, and no longer than the unsigned bound below.
+- unsigned: a forged lease holds a waiter for at most ``--lease-wait-factor`` (default 2) times
+  the waiter's own expected prefill of the run (``run_waits``: its measured pace; no floor), after
+  which it computes, and its later looks for the "holder's" blocks only read the store (``Trail``).
+  A wait looks at most once a ``--lease-poll-ms``, so the wait is at least one poll. So a forged
+  lease costs at most about (1 + wait factor) times a cold prefill, 3x by default, or a poll for
+  a cheaper prompt (``bench/attack_leases.py``, tiny model: 709-token prompts 11.3 -> 33.5 ms,
+  3.0x, and 101-token ones 2.4 -> 12.8 ms; before, 13x and 34x, when a 100 ms floor bounded the
+  first wait from below and the trail waited twice more).
 """
 
 from __future__ import annotations

@@ -9,16 +9,18 @@ The wait ends, and the sequence computes whatever it still lacks, at the first o
 - every block of the run has arrived (the common case: nothing computed twice);
 - the lease is gone with blocks still missing (the holder finished a shorter prompt, or failed);
 - no block arrived for ``stall`` (the holder died, or is too busy to be worth waiting for): three
-  chunks' worth of this worker's prefill time between arrivals, and up to the time it would take
-  to compute the whole run for the first ones;
+  chunks' worth of this worker's prefill time between arrivals (at least ``MIN_STALL_MS``), and,
+  for the first ones, the time it would take to compute the whole run, with no floor: a lease
+  that nobody honours (forged, replayed, its holder dead) costs ``wait_factor`` times computing
+  the run, however cheap the run (but a wait is stepped at most once a poll: at least one poll);
 - waiting has become slower than computing: at the pace the holder's blocks have arrived since
   the first of them (judged once as long has passed as computing two chunks would take), the
   missing ones would take longer than this worker computing them now, from its own measured
   prefill pace (``PrefillPace``) times ``LeaseOptions.wait_factor``.
 
 So a wait lasts about as long as computing would have at most, and a store that is slow, down or
-hostile (a forged lease: see ``SignedStore.claim``) costs at most the stall bound, never a wrong
-token. One thread polls every waiting sequence; no read thread is held by a wait. Where the store
+hostile (a forged lease: see ``services.engine.leases``) costs at most the stall bound, never a
+wrong token. One thread polls every waiting sequence; no read thread is held by a wait. Where the store
 announces the holder's chunks (Redis pub/sub), a waiter looks when one is announced, and
 otherwise only every ``IDLE_POLLS`` polls or when one of the bounds above falls due: a waiting
 worker sent Redis 187 commands a second polling every 10 ms, 40 with announcements.
@@ -69,6 +71,9 @@ class LeaseOptions:
     when one is announced and ``IDLE_POLLS`` times this apart otherwise."""
     first_ms_per_token: float = 1.0
     """The prefill pace assumed until the worker has measured its own (ms per prompt token)."""
+    max_ttl_ms: int = 60_000
+    """The longest a lease this worker takes lives past its latest chunk (``LeaseTerms.max_ttl_ms``:
+    a signed lease signed to end further ahead is refused by the others)."""
 
     @property
     def enabled(self) -> bool:
@@ -132,7 +137,9 @@ class RunWait:
     """Longest gap between arrivals once blocks come."""
     first_stall_s: float
     """Longest wait for the first blocks: the holder computes a whole chunk before it publishes
-    any, more slowly than usual when the burst that made it the holder loads its machine."""
+    any, more slowly than usual when the burst that made it the holder loads its machine. For a
+    lease wait, the wait factor times computing the whole run, with no floor: what a forged lease
+    costs. 0 for a look that only reads (``Trail.delivered``)."""
     pace_blocks: int
     """The holder's pace is judged only once as long has passed since its first blocks as this
     worker would take to compute this many (two chunks' worth): one chunk's interval is mostly

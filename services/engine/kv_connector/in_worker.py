@@ -94,6 +94,7 @@ def looked(seq: Sequence, plan: StepPlan, look_ahead: Callable[[], Future], wake
     else:  # the store holds the wait's polls up: compute rather than wait on it
         ahead = None
     trail.look = None
+    trail.delivered = trail.delivered or ahead is not None
     # A row that moved since the wait began (it copied from another row) holds what came.
     adopting = ahead is not None and ahead.start == seq.prefilled
     if adopting:

@@ -49,7 +49,8 @@ from services.engine.step_plan import SchedulerStats, StepPlan
 
 log = logging.getLogger(__name__)
 LEASE_SLACK_MS = 500
-"""A lease lives twice the holder's expected time to compute its run, plus this (ms)."""
+"""A lease lives twice the holder's expected time to compute its run, plus this (ms), at most
+``LeaseOptions.max_ttl_ms``."""
 EARLY_WAIT_ENDS = frozenset({WaitEnd.STALLED, WaitEnd.SLOWER, WaitEnd.RELEASED})
 """Lease waits that end with blocks of the run missing, which this worker then computes itself."""
 
@@ -154,6 +155,11 @@ class KVConnectorScheduler:
             self._fetched(seq, t, receiver)
             return True
         run = len(kv.lookup.hashes) - kv.lookup.hit_blocks  # blocks awaited
+        factor, size = self.leases.wait_factor, kv.namespace.block_size
+        # Before the first blocks, no floor: a lease that nobody honours (forged, replayed, its holder
+        # dead) costs the wait factor times computing the run here, however cheap the run (or one
+        # poll: a wait's second look comes a poll after its first).
+        first_stall_ms = factor * self.pace.expected_ms(run * size)
         with self._lock:
             # One store wait per lease and worker when it covers this row's: the worker's other
             # rows wait for that row's blocks and copy them from it (``in_worker.plan_share``).
@@ -165,13 +171,12 @@ class KVConnectorScheduler:
             if own:
                 self._awaiting[key] = (seq, run)
                 kv.awaiting = True
-        factor, size = self.leases.wait_factor, kv.namespace.block_size
         stall_ms = max(MIN_STALL_MS, factor * self.pace.expected_ms(min(3 * self.chunk_tokens, run * size)))
 
         def end(outcome: WaitEnd) -> None:
             self.cache_stats.count("lease_waits", outcome.value)
             if outcome in (WaitEnd.STALLED, WaitEnd.SLOWER):  # the holder may still publish ahead of this row
-                kv.trail = Trail(key, holder)
+                kv.trail = Trail(key, holder, delivered=wait.received > 0)
             # A wait given up on (the holder stalled, looked slower than computing, or let go early)
             # means computing what another worker computes too: worth a line at the default level.
             # Complete and cancelled waits are not, and a failed poll has logged its exception.
@@ -193,7 +198,7 @@ class KVConnectorScheduler:
             cancelled=lambda: seq.aborted or seq.done,
             compute_s=lambda blocks: factor * self.pace.expected_ms(blocks * size) / 1e3,
             stall_s=stall_ms / 1e3,
-            first_stall_s=max(stall_ms, factor * self.pace.expected_ms(run * size)) / 1e3,
+            first_stall_s=first_stall_ms / 1e3,
             pace_blocks=-(-2 * self.chunk_tokens // size),
             on_end=within_budget(kv, end),
             channel=progress_channel(holder),
@@ -205,7 +210,8 @@ class KVConnectorScheduler:
         """For a row on a ``Trail``, between two chunks: waits on the waits' thread for the blocks
         from the row's next one on, until the next chunk's blocks are all there, the holder lets go
         of its lease, or nothing came for as long as computing that chunk would take the row now
-        (wait factor included, at what its latest chunk cost; at least two polls). The future
+        (wait factor included, at what its latest chunk cost; at least two polls); while the holder
+        has published none of the blocks waited for, it only reads what the store holds. The future
         holds an ``Ahead`` (kept up: the whole chunk came, and no later than computing what came
         would have taken), or None when nothing came; it never fails (a store error brings
         nothing) and may be done already."""
@@ -224,6 +230,9 @@ class KVConnectorScheduler:
         bound_s = max(2 * leases.poll_ms, leases.wait_factor * ms_per_token * chunk_blocks * size) / 1e3
         began = time.monotonic()
         trail.give_up_at = began + 2 * bound_s
+        # A holder that has published none of the blocks waited for gets a look at what the store
+        # holds now, not a wait (``Trail.delivered``): a forged lease costs one read per chunk here.
+        look_s = bound_s if trail.delivered else 0.0
 
         def end(outcome: WaitEnd) -> None:
             self.prefix.complete_windows(found, size, len(seq.prompt), first=start // size)
@@ -241,8 +250,8 @@ class KVConnectorScheduler:
             held=within_budget(kv, lambda: self.store.holder(trail.key) == trail.holder),
             cancelled=lambda: seq.aborted or seq.done,
             compute_s=lambda blocks: leases.wait_factor * ms_per_token * blocks * size / 1e3,
-            stall_s=bound_s,
-            first_stall_s=bound_s,
+            stall_s=look_s,
+            first_stall_s=look_s,
             pace_blocks=chunk_blocks,
             on_end=within_budget(kv, end),
             channel=progress_channel(trail.holder),
@@ -293,7 +302,8 @@ class KVConnectorScheduler:
         while kv.lookup.hit_blocks < len(hashes):
             hit = kv.lookup.hit_blocks
             key, token = lease_key(hashes[hit]), self.tokens.new()
-            ttl_ms = int(2 * self.pace.expected_ms((len(hashes) - hit) * size) + LEASE_SLACK_MS)
+            ttl_ms = min(int(2 * self.pace.expected_ms((len(hashes) - hit) * size) + LEASE_SLACK_MS),
+                         self.leases.max_ttl_ms)
             holder = self.store.claim(key, token, ttl_ms)
             claim = self.tokens.classify(holder, token)
             if claim is Claim.HELD and self.prefix.extend(kv.lookup, size, receiver):

@@ -37,7 +37,8 @@ class Trail:
     it takes; when the whole chunk came in time it waits again, else it computes the next chunk.
     A holder that only looked slow, because the machine was busy, is followed again; one that is
     really behind costs a short wait per chunk and never sets the row's pace. Two waits in a row
-    that bring less than a chunk end the trail."""
+    that bring less than a chunk end the trail. While the holder has published nothing, a look
+    does not wait (``delivered``)."""
 
     key: str
     """The lease the row stopped waiting on, and its holder's token."""
@@ -52,6 +53,11 @@ class Trail:
     one). True at the start: the wait that just ended did, so the first chunk comes first."""
     misses: int = 0
     """Waits in a row that brought less than a chunk."""
+    delivered: bool = True
+    """Whether the holder has published any block this row waited for (in the wait that ended, or
+    in a look since). While it has not, each look takes what the store holds at once and never
+    waits: a holder that published nothing while this row waited for the whole run is behind
+    it, and a forged or replayed lease's "holder" never will."""
     ms_per_token: float = 0.0
     """What the row's latest chunk of at least ``MIN_PACE_TOKENS`` cost (ms per prompt token):
     the next wait's bound. Not the worker's smoothed pace, which lags a machine that has just
