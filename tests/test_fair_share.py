@@ -25,6 +25,27 @@ def for_client(req: GenerationRequest, client: str) -> GenerationRequest:
     return req
 
 
+async def two_running_two_queued(engine, last: str):
+    """Client a's two unread streams in the two slots, then a's request and ``last``'s queued."""
+    streams = [engine.generate(for_client(request(prompt(12, i), n=400), client))
+               for i, client in enumerate(["tenant:a", "tenant:a", "tenant:a", last])]
+    for s in streams[:2]:
+        await s.__anext__()
+    queued = []
+    for count, s in enumerate(streams[2:], 1):
+        queued.append(asyncio.ensure_future(s.__anext__()))
+        await wait_for(lambda: engine.scheduler.queued == count, "a request queued")
+    return streams, queued
+
+
+async def end_all(streams, pending) -> None:
+    for f in pending:
+        f.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for s in streams:
+        await s.aclose()
+
+
 def test_a_request_that_will_be_refused_is_refused_before_tokenizing(tiny_model):
     """--max-batch 1 --max-queued 1 and two requests still being tokenized (held at a gate): they
     fill the worker, so a third is refused at once, and is never tokenized. Before, the door
@@ -133,22 +154,11 @@ def test_the_next_free_slot_goes_to_the_client_holding_fewest(tiny_model):
                          yield_paused_s=3600.0)
 
     async def scenario():
-        streams = [engine.generate(for_client(request(prompt(12, i), n=400), client))
-                   for i, client in enumerate(["tenant:a", "tenant:a", "tenant:a", "tenant:b"])]
-        for s in streams[:2]:
-            await s.__anext__()
-        queued = []
-        for count, s in enumerate(streams[2:], 1):
-            queued.append(asyncio.ensure_future(s.__anext__()))
-            await wait_for(lambda: engine.scheduler.queued == count, "a request queued")
+        streams, queued = await two_running_two_queued(engine, "tenant:b")
         await streams[0].aclose()
         await wait_for(lambda: engine.scheduler.queued == 1, "a slot given to a queued request")
         started = [seq.client for seq in engine.scheduler.active]
-        for f in queued:
-            f.cancel()
-        await asyncio.gather(*queued, return_exceptions=True)
-        for s in streams:
-            await s.aclose()
+        await end_all(streams, queued)
         return started
 
     assert sorted(asyncio.run(scenario())) == ["tenant:a", "tenant:b"]
@@ -240,24 +250,13 @@ def test_push_out_refuses_nobody_when_it_cannot_make_room(tiny_model):
                          yield_paused_s=3600.0)
 
     async def scenario():
-        streams = [engine.generate(for_client(request(prompt(12, i), n=400), client))
-                   for i, client in enumerate(["tenant:a", "tenant:a", "tenant:a", "tenant:c"])]
-        for s in streams[:2]:
-            await s.__anext__()
-        queued = []
-        for count, s in enumerate(streams[2:], 1):
-            queued.append(asyncio.ensure_future(s.__anext__()))
-            await wait_for(lambda: engine.scheduler.queued == count, "a request queued")
+        streams, queued = await two_running_two_queued(engine, "tenant:c")
         group = for_client(request(prompt(12, 9), n=3), "tenant:b")
         group.n = 2
         with pytest.raises(Overloaded, match="the worker is full"):
             await run_stream(engine, group)
         still = engine.scheduler.queued
-        for f in queued:
-            f.cancel()
-        await asyncio.gather(*queued, return_exceptions=True)
-        for s in streams:
-            await s.aclose()
+        await end_all(streams, queued)
         return still
 
     assert asyncio.run(scenario()) == 2
