@@ -62,28 +62,26 @@ def _set_timeout(sock, timeout_s: float | None) -> None:
         sock.settimeout(timeout_s)
 
 
+def _capped_timeout(attribute: str) -> property:
+    """A timeout setting that reads as the configured one (kept in ``attribute``) within the
+    thread's budgets: what redis-py itself sets a socket to (after connecting, after a poll) stays
+    within them; every wait below sets its own timeout anyway."""
+
+    def get(self):
+        configured = getattr(self, attribute)
+        return budget.capped_s(configured) if configured is not None else configured
+
+    def set(self, value) -> None:
+        setattr(self, attribute, value)
+
+    return property(get, set)
+
+
 class _Budgeted:
     """Mixin before a redis-py connection class (``budgeted``)."""
 
-    @property
-    def socket_timeout(self):
-        # What redis-py itself sets a socket to (after connecting, after a poll) stays within the
-        # budget; every wait below sets its own timeout anyway.
-        configured = self._socket_timeout
-        return budget.capped_s(configured) if configured is not None else configured
-
-    @socket_timeout.setter
-    def socket_timeout(self, value) -> None:
-        self._socket_timeout = value
-
-    @property
-    def socket_connect_timeout(self):
-        configured = self._socket_connect_timeout
-        return budget.capped_s(configured) if configured is not None else configured
-
-    @socket_connect_timeout.setter
-    def socket_connect_timeout(self, value) -> None:
-        self._socket_connect_timeout = value
+    socket_timeout = _capped_timeout("_socket_timeout")
+    socket_connect_timeout = _capped_timeout("_socket_connect_timeout")
 
     def _connect(self):
         connect_s = _wait_s(self._socket_connect_timeout)

@@ -48,6 +48,7 @@ class SignedStore(KVStore):
         self.keyring = keyring
         self.stats = stats
         self.lease_terms = lease_terms
+        # Looked up at each call, not bound here: tests move the clock by patching time.time.
         self.clock = clock or (lambda: time.time())
         self.name = f"signed({inner.name})"
         self._lock = threading.Lock()

@@ -25,12 +25,19 @@ def for_client(req: GenerationRequest, client: str) -> GenerationRequest:
     return req
 
 
+async def unread_streams(engine, client: str, count: int):
+    """``count`` long streams of ``client``, each read up to its first chunk and no further."""
+    streams = [engine.generate(for_client(request(prompt(12, i), n=400), client)) for i in range(count)]
+    for s in streams:
+        await s.__anext__()
+    return streams
+
+
 async def two_running_two_queued(engine, last: str):
     """Client a's two unread streams in the two slots, then a's request and ``last``'s queued."""
-    streams = [engine.generate(for_client(request(prompt(12, i), n=400), client))
-               for i, client in enumerate(["tenant:a", "tenant:a", "tenant:a", last])]
-    for s in streams[:2]:
-        await s.__anext__()
+    streams = await unread_streams(engine, "tenant:a", 2)
+    streams += [engine.generate(for_client(request(prompt(12, i), n=400), client))
+                for i, client in ((2, "tenant:a"), (3, last))]
     queued = []
     for count, s in enumerate(streams[2:], 1):
         queued.append(asyncio.ensure_future(s.__anext__()))
@@ -115,8 +122,7 @@ def test_24_unread_streams_of_one_client_do_not_keep_another_from_being_served(t
         for f in firsts:
             f.cancel()
         await asyncio.gather(*firsts, return_exceptions=True)
-        for s in streams:
-            await s.aclose()
+        await end_all(streams, [])
         return tokens, last, refused
 
     tokens, last, refused = asyncio.run(scenario())
@@ -132,14 +138,11 @@ def test_a_fixed_client_bound_refuses_at_the_door_naming_it(tiny_model):
                          max_paused_s=3600.0)
 
     async def scenario():
-        streams = [engine.generate(for_client(request(prompt(12, i), n=400), "tenant:a")) for i in range(2)]
-        for s in streams:
-            await s.__anext__()
+        streams = await unread_streams(engine, "tenant:a", 2)
         with pytest.raises(Overloaded, match=r"holds 2 rows .* at most 2 per client \(--max-client-rows\)"):
             await run_stream(engine, for_client(request(prompt(12, 5), n=3), "tenant:a"))
         tokens, _, _ = await run_stream(engine, for_client(request(prompt(12, 6), n=3), "tenant:b"))
-        for s in streams:
-            await s.aclose()
+        await end_all(streams, [])
         return tokens
 
     assert len(asyncio.run(scenario())) == 3
@@ -273,13 +276,10 @@ def test_a_waiting_client_wakes_the_yielding_of_unread_streams(tiny_model):
                          yield_paused_s=0.2)
 
     async def scenario():
-        streams = [engine.generate(for_client(request(prompt(12, i), n=400), "tenant:a")) for i in range(2)]
-        for s in streams:
-            await s.__anext__()
+        streams = await unread_streams(engine, "tenant:a", 2)
         await wait_for(lambda: all(s.paused for s in engine.scheduler.active), "a's streams to pause")
         tokens, _, _ = await run_stream(engine, for_client(request(prompt(12, 7), n=3), "tenant:b"))
-        for s in streams:
-            await s.aclose()
+        await end_all(streams, [])
         return tokens
 
     assert len(asyncio.run(scenario())) == 3
