@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Creates .venv/ in the repository root (once) and installs kvshare with its cpu, test and local extras into it
-# (again whenever pyproject.toml changes); makes sure a redis-server binary exists. Sourced by the other
-# scripts; prints the venv's python on stdout and what it is doing on stderr.
+# Creates .venv/ in the repository root (once) and installs into it exactly requirements/dev.txt (the locked
+# development environment: the cpu, test and local extras, every file checked against its sha256), then
+# kvshare itself without dependencies; again whenever the lock or pyproject.toml changes, removing what the
+# lock no longer holds. Makes sure a redis-server binary exists. Sourced by the other scripts; prints the
+# venv's python on stdout and what it is doing on stderr.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="$root/.venv"
@@ -28,13 +30,19 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 
 stamp="$venv/.kvshare-installed"
-want="$(sha256sum "$root/pyproject.toml" | cut -d' ' -f1)"
+want="$(cat "$root/pyproject.toml" "$root/requirements/dev.txt" | sha256sum | cut -d' ' -f1)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  echo "kvshare: installing kvshare and its dependencies into $venv (about a minute the first time)" >&2
-  "$venv/bin/python" -m pip install --quiet --upgrade pip >&2
-  # --no-compile: byte-compiling every installed module took 17 of 45 s; Python compiles the ones
-  # a run imports, once, when it first imports them.
-  "$venv/bin/python" -m pip install --quiet --no-compile -e "$root[cpu,test,local]" >&2
+  echo "kvshare: installing kvshare and its locked dependencies into $venv (about a minute the first time)" >&2
+  # pip is the venv's own (no upgrade: that would float). --no-deps: the lock holds every dependency, so
+  # there is nothing to resolve; pip check below says if it does not. --no-compile: byte-compiling every
+  # installed module took 17 of 45 s; Python compiles the ones a run imports, once, when it first does.
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --require-hashes \
+    --no-deps -r "$root/requirements/dev.txt" >&2
+  # The lock holds the build backend, so the project builds without fetching one (no build isolation).
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-compile --no-deps \
+    --no-build-isolation -e "$root" >&2
+  "$venv/bin/python" "$root/scripts/dev_lock.py" prune >&2
+  "$venv/bin/python" -m pip check --disable-pip-version-check >&2
   echo "$want" > "$stamp"
 fi
 

@@ -1,0 +1,93 @@
+"""The locks agree with pyproject.toml: every dependency it declares is pinned, at a version its
+range allows, in the development lock (requirements/dev.txt, for each Python the project supports)
+and in the images' locks (requirements/cpu.txt, gpu.txt), and a package both kinds of lock hold has
+the same version in both, so the tests run what the images ship. scripts/lock.sh writes them."""
+
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.markers import default_environment
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from dev_lock import DEV_LOCK, pinned, read_lock  # noqa: E402
+
+PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+PYTHONS = ("3.11", "3.12", "3.13")
+IMAGES = ("cpu", "gpu")
+
+
+def environment(python: str) -> dict[str, str]:
+    """Marker values of CPython ``python`` on linux x86_64 (the images', CI's and the README's)."""
+    return {**default_environment(), "python_version": python, "python_full_version": f"{python}.0",
+            "implementation_name": "cpython", "platform_python_implementation": "CPython",
+            "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64"}
+
+
+def declared(*extras: str, build: bool = False) -> list[Requirement]:
+    project = PROJECT["project"]
+    found = [Requirement(r) for r in project["dependencies"]]
+    found += [Requirement(r) for extra in extras for r in project["optional-dependencies"][extra]]
+    if build:
+        found += [Requirement(r) for r in PROJECT["build-system"]["requires"]]
+    return found
+
+
+def disagreements(requirements: list[Requirement], pins: dict[str, str], env: dict[str, str]) -> list[str]:
+    wrong = []
+    for requirement in requirements:
+        if requirement.marker is not None and not requirement.marker.evaluate(env):
+            continue
+        version = pins.get(canonicalize_name(requirement.name))
+        if version is None:
+            wrong.append(f"{requirement} is not pinned")
+        elif not requirement.specifier.contains(version, prereleases=True):
+            wrong.append(f"{requirement} but the lock pins {version}")
+    return wrong
+
+
+@pytest.mark.parametrize("python", PYTHONS)
+def test_the_development_lock_pins_every_declared_dependency(python):
+    env = environment(python)
+    wrong = disagreements(declared("cpu", "test", "local", build=True), pinned(DEV_LOCK, env), env)
+    assert not wrong, f"requirements/dev.txt disagrees with pyproject.toml for Python {python} " \
+                      f"(run bash scripts/lock.sh): {wrong}"
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_each_image_lock_pins_its_runtime_dependencies(image):
+    env = environment("3.11")
+    wrong = disagreements(declared(image), pinned(ROOT / "requirements" / f"{image}.txt", env), env)
+    assert not wrong, f"requirements/{image}.txt disagrees with pyproject.toml (run bash scripts/lock.sh): {wrong}"
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_the_tests_run_the_versions_the_images_ship(image):
+    env = environment("3.11")
+    dev, shipped = pinned(DEV_LOCK, env), pinned(ROOT / "requirements" / f"{image}.txt", env)
+    differ = {name: (dev[name], version) for name, version in shipped.items() if name in dev and dev[name] != version}
+    assert not differ, f"dev.txt and {image}.txt pin different versions (dev, image): {differ}"
+
+
+def test_every_pin_of_the_development_lock_is_hash_checked():
+    lines = DEV_LOCK.read_text().splitlines()
+    pins = read_lock(DEV_LOCK)
+    assert len(pins) > 50
+    starts = [i for i, line in enumerate(lines) if line and not line[0].isspace() and not line.startswith("#")]
+    unhashed = [lines[i] for i in starts if i + 1 >= len(lines) or "--hash=sha256:" not in lines[i + 1]]
+    assert not unhashed, unhashed
+
+
+def test_this_environment_is_the_lock():
+    """What scripts/venv.sh installed is what the lock pins (a venv built from another lock, or by hand,
+    fails here rather than testing other software)."""
+    from importlib import metadata
+
+    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in metadata.distributions()}
+    want = pinned(DEV_LOCK)
+    differ = {name: (installed.get(name), version) for name, version in want.items() if installed.get(name) != version}
+    assert not differ, f"installed vs locked: {differ} (run bash scripts/venv.sh)"
