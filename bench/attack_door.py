@@ -35,6 +35,7 @@ import numpy as np
 
 from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args, print_table
 from bench.load import REFUSAL_P99_MS, RssSampler
+from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.local.worker_process import WorkerProcess
@@ -187,7 +188,7 @@ def main() -> int:
     # shows deterministically that a refused request is never tokenized).
     held = outcome == "INVALID_ARGUMENT" and all(row[1] == 6 for row in hoards) and bursts[0][4] == "-"
     print(f"\nthe door holds: {'yes' if held else 'NO'}")
-    return 0 if held else 1
+    return exit_code(held, args.smoke)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from bench.fleet import (
     parse_args,
     print_table,
 )
+from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.local.worker_process import RouterProcess, WorkerProcess
@@ -215,7 +216,7 @@ def main() -> int:
     if bad:
         print(f"\nFAILED: {', '.join(bad)}: waited out its deadline, ended with a status naming no worker, "
               "was not logged as finished by one worker, or ended before the stop", file=sys.stderr)
-    return 1 if bad else 0
+    return exit_code(not bad, args.smoke)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ from bench.fleet import (
     parse_args,
     print_table,
 )
+from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
@@ -159,7 +160,7 @@ def main() -> int:
                  ("worst latency during the stop, ms", f"{worst_latency.latency_ms:.0f}"),
                  (f"documented bound on a request's store wait ({BOUND_FACTOR} x op timeout), ms", f"{bound_ms:.0f}"),
                  (f"worst cache_fetch_ms within {WORK_SLACK:g} x the bound", "yes" if held else "NO")])
-    return 0 if held and not failed else 1
+    return exit_code(held and not failed, args.smoke)
 
 
 if __name__ == "__main__":

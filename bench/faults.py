@@ -36,7 +36,7 @@ def main() -> int:
     with lab(model.folder, workload_for(model.vocab_size, args.smoke), INTRA_OP_THREADS) as the_lab:
         results = [the_lab.run(name, settle_for(args.smoke)) for name in CASES]
     print_table(f"Faults under {CLIENTS} clients, 2 workers, model {model.name}", HEADER, table_rows(results))
-    return verdict(results)
+    return verdict(results, args.smoke)
 
 
 if __name__ == "__main__":

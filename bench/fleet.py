@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import redis
 
+from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
@@ -188,10 +189,10 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[objec
         print("| " + " | ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in row) + " |")
 
 
-def verdict(results: Sequence) -> int:
-    """The exit code of a benchmark whose results each say whether they ``held`` (by ``name``):
-    0 when all did, else 1 with the names of those that did not on stderr."""
+def verdict(results: Sequence, smoke: bool) -> int:
+    """The exit code of a benchmark whose results each say whether they ``held`` (by ``name``): the
+    names of those that did not go to stderr; ``bench.verdict.exit_code`` judges (never a smoke run)."""
     bad = [r.name for r in results if not r.held]
     if bad:
         print(f"\nFAILED: {', '.join(bad)}", file=sys.stderr)
-    return 1 if bad else 0
+    return exit_code(not bad, smoke)

@@ -156,7 +156,7 @@ def main() -> int:
     streams, seconds, burst_size = default_sizes(args.smoke)
     results = run_load(model, args.smoke, args.streams or streams, args.seconds or seconds, args.burst or burst_size)
     print_table(f"Load, model {model.name}", HEADER, table_rows(results))
-    return verdict(results)
+    return verdict(results, args.smoke)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def main() -> int:
               + f"worker RSS {r.rss.text} MiB") for r in load_results]
     print_table(f"Reliability, model {model.name}", ("case", "conditions", "requests", "not OK, by status", "wrong", "notes"),
                 rows)
-    return verdict([*fault_results, *load_results])
+    return verdict([*fault_results, *load_results], args.smoke)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from bench.fleet import (
     wait_for_keys,
     warm_up,
 )
+from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
@@ -179,7 +180,7 @@ def main() -> int:
     if bad:
         print(f"\nFAILED: {', '.join(bad)}: a request missed a block in Redis or computed part of its system prompt, "
               "so the L1 hit rate above is not what it says", file=sys.stderr)
-    return 1 if bad else 0
+    return exit_code(not bad, args.smoke)
 
 
 if __name__ == "__main__":
