@@ -36,7 +36,6 @@ from services.local.worker_process import WorkerProcess
 
 CLIENTS = 8
 BLOCK_SIZE = 16
-PAUSE_S = 5.0
 WORKER_THREADS = 2
 """Intra-op threads of each worker unless told otherwise (the benchmarks' own setting)."""
 _EVENT_METRICS = {"kvshare_cache_store_errors_total": "kind", "kvshare_cache_values_rejected_total": "reason"}
@@ -131,6 +130,16 @@ class Lab:
                                    f"events {dict(worker_events(self.metrics_ports))}")
             traffic.wait_completed(1)
 
+    def until_counted(self, kind: str, before: int, traffic: Traffic, timeout_s: float = 120.0) -> None:
+        """Waits (on finished requests) until the workers have counted more store events of ``kind``
+        (an error kind or reject reason) than ``before``; the timeout is a hang guard."""
+        deadline = time.monotonic() + timeout_s
+        while worker_events(self.metrics_ports)[kind] <= before:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the workers counted no store event {kind!r} in {timeout_s} s "
+                                   f"(events {dict(worker_events(self.metrics_ports))})")
+            traffic.wait_completed(1)
+
     def random_key(self) -> bytes | None:
         return self.client.randomkey()
 
@@ -165,11 +174,15 @@ def redis_killed(lab: Lab, traffic: Traffic, settle: int) -> str:
 
 
 def redis_paused(lab: Lab, traffic: Traffic, settle: int) -> str:
+    # Held until the workers have met it (counted a store timeout) and ``settle`` requests ended
+    # meanwhile, rather than for a fixed time: on a slow machine a fixed pause could end before any
+    # request reached the store, on a fast one it only waited.
+    timeouts = worker_events(lab.metrics_ports)["timeout"]
     lab.redis.pause()
     paused = time.monotonic()
     try:
         traffic.wait_completed(settle)
-        time.sleep(max(0.0, PAUSE_S - (time.monotonic() - paused)))
+        lab.until_counted("timeout", timeouts, traffic)
     finally:
         lab.redis.resume()
     held = time.monotonic() - paused
