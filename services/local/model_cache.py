@@ -8,6 +8,7 @@ temporary folder that replaces the old one only once complete.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -59,17 +60,24 @@ def _reusable(folder: Path, identity: str) -> bool:
 
 def ensure_folder(folder: Path, identity: str, build: Callable[[Path], object], what: str) -> Path:
     """``folder`` as ``build(path)`` writes it, built (``what`` says into what) unless a verified
-    build of the same ``identity`` is already there."""
+    build of the same ``identity`` is already there. Processes that ask for the same folder at once
+    (parallel test workers, replicas started together) take turns on a lock file beside it: the first
+    builds, the others then find its build; none ever removes a folder another is reading."""
     if _reusable(folder, identity):
         return folder
-    print(f"building {what} into {folder} ...", file=sys.stderr, flush=True)
-    partial = folder.with_name(f"{folder.name}.{os.getpid()}.part")
-    shutil.rmtree(partial, ignore_errors=True)
-    build(partial)
-    stamp = {"builder": identity, "fingerprint": _fingerprint(partial)}
-    (partial / STAMP).write_text(json.dumps(stamp))
-    shutil.rmtree(folder, ignore_errors=True)
-    os.replace(partial, folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.with_name(f".{folder.name}.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _reusable(folder, identity):
+            return folder
+        print(f"building {what} into {folder} ...", file=sys.stderr, flush=True)
+        partial = folder.with_name(f"{folder.name}.{os.getpid()}.part")
+        shutil.rmtree(partial, ignore_errors=True)
+        build(partial)
+        stamp = {"builder": identity, "fingerprint": _fingerprint(partial)}
+        (partial / STAMP).write_text(json.dumps(stamp))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(partial, folder)
     return folder
 
 
