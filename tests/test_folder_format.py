@@ -12,13 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import onnxruntime_genai as og
 import pytest
 from conftest import GENAI_FIXTURES, engine_greedy, record_margin
 
 from services.modelbuild.folder import write_decoder_folder
 from services.runtime.kv_layout import KVLayout
 
-og = pytest.importorskip("onnxruntime_genai")
 N_NEW = 24
 
 

@@ -35,16 +35,12 @@ def still_serves(stub) -> None:
 
 def test_stream_arrives_message_by_message(stub):
     request = pb.GenerateRequest(request_id="r1", prompt=PROMPT, max_new_tokens=40, ignore_eos=True)
-    arrivals, messages = [], []
-    for message in stub.Generate(request, timeout=30):
-        arrivals.append(time.perf_counter())
-        messages.append(message)
+    messages = list(stub.Generate(request, timeout=30))
     # One message per token, or a few tokens per message when the client reads slower than the
     # worker generates; the worker holds at most 8 unread tokens per stream (the fixture's
-    # --max-unread-tokens), so however fast it generates, 40 tokens come in at least 5 messages.
-    assert len(messages) >= 5 and sum(len(m.token_ids) for m in messages) == 40
-    assert all(m.token_ids for m in messages)
-    assert arrivals[0] < arrivals[-1]
+    # --max-unread-tokens), so however fast it generates, no message carries more than 8 tokens.
+    assert all(1 <= len(m.token_ids) <= 8 for m in messages), [len(m.token_ids) for m in messages]
+    assert sum(len(m.token_ids) for m in messages) == 40
     assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED and not m.HasField("usage") for m in messages[:-1])
     last = messages[-1]
     assert last.finish_reason == pb.FINISH_REASON_LENGTH
@@ -174,16 +170,24 @@ def test_eight_concurrent_streams_complete(stub):
     assert all(r.last.finish_reason == pb.FINISH_REASON_LENGTH and len(r.token_ids) == 48 for r in results)
 
 
-def test_cancelled_stream_stops_generation(stub, worker):
-    call = stub.Generate(pb.GenerateRequest(request_id="to-cancel", prompt=PROMPT, max_new_tokens=500, ignore_eos=True))
-    next(call)
-    call.cancel()
-    deadline = time.monotonic() + 10
-    while not any("request to-cancel stopped after" in line for line in worker.log_lines):
-        assert time.monotonic() < deadline, "the worker did not report the cancelled stream"
-        time.sleep(0.05)
-    line = next(line for line in worker.log_lines if "request to-cancel stopped after" in line)
-    assert int(line.split("stopped after ")[1].split()[0]) < 500
+def test_cancelled_stream_stops_generation(tiny_model):
+    """The stream pauses on its unread tokens and a paused stream is kept for an hour, so the only
+    thing that can end it within the test is the cancel (with the shared worker's 30 s
+    --max-paused-s, or had the stream run on, the old check that it stopped before its 500 tokens
+    could not fail). The 10 s wait is a hang guard, not a verdict."""
+    with WorkerProcess(tiny_model, "--max-unread-tokens", "8", "--max-paused-s", "3600") as worker, \
+            grpc.insecure_channel(worker.target) as channel:
+        call = pb_grpc.GeneratorStub(channel).Generate(
+            pb.GenerateRequest(request_id="to-cancel", prompt=PROMPT, max_new_tokens=500, ignore_eos=True))
+        next(call)
+        call.cancel()
+        deadline = time.monotonic() + 10
+        while not any("request to-cancel stopped after" in line for line in worker.log_lines):
+            assert time.monotonic() < deadline, "the worker did not report the cancelled stream"
+            time.sleep(0.05)
+        line = next(line for line in worker.log_lines if "request to-cancel stopped after" in line)
+        assert "(cancelled or failed)" in line, line
+        still_serves(pb_grpc.GeneratorStub(channel))
 
 
 def test_expired_deadline_stops_the_request_and_frees_its_slot(tiny_model):

@@ -6,6 +6,7 @@ import json
 
 import grpc
 import numpy as np
+import onnxruntime_genai as og
 import pytest
 from conftest import GENAI_FIXTURES, collect, record_margin
 
@@ -18,8 +19,6 @@ from services.engine.encoder_input import EncoderFeatures, EncoderRequest
 from services.engine.engine import Engine, EngineOptions
 from services.engine.generation import CacheControl, GenerationRequest
 from services.local.worker_process import WorkerProcess
-
-og = pytest.importorskip("onnxruntime_genai")
 
 FIXTURE = GENAI_FIXTURES.parent / "genai_whisper"
 FOLDER = FIXTURE / "whisper-fp32"
