@@ -19,6 +19,7 @@ from services.engine.generation import GenerationRequest
 from services.local.worker_process import WorkerProcess
 from services.modelbuild.folder import write_decoder_folder
 from services.runtime.kv_layout import KVLayout
+from services.runtime.threads import SPINNING_VARIABLE
 
 GENAI_FIXTURES = Path(__file__).parent / "fixtures" / "genai_builder"
 STORED_LOGIT_TOLERANCE = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1e-2}
@@ -85,6 +86,19 @@ def workers_stop_at_once():
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("KVSHARE_NOT_SERVING_S", "0")
         patch.setenv("KVSHARE_ROUTE_NOT_SERVING_S", "0")
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def threads_never_spin():
+    """ONNX Runtime's threads sleep between parallel sections in every session the suite opens
+    (``threads.default_spinning``: the workers and benchmarks it starts read the same variable):
+    scripts/test.sh runs several test processes on CI's 2 CPUs, where a thread spinning within a
+    run holds a core that another process's threads need (measured on four real-model files at
+    once: 154 s and 270 CPU-seconds with in-run spinning, 125 s and 215 with none). Tests of the
+    policy itself name it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(SPINNING_VARIABLE, "never")
         yield
 
 

@@ -11,6 +11,7 @@ from services.modelbuild.presets import DECODER_PRESETS
 from services.runtime.kv_layout import KVLayout
 from services.runtime.model_spec import load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
+from services.runtime.threads import SPINNING_VARIABLE, default_spinning
 
 STEPS = 32
 TOLERANCE = 1e-4  # fp32 logits
@@ -71,3 +72,17 @@ def test_intra_op_threads_follow_the_cpus_the_process_may_use():
     assert intra_op_threads(0, limit=1.5) == (min(2, usable) if min(2, usable) < os.cpu_count() else 0)
     assert intra_op_threads(0, limit=0.2) == (1 if os.cpu_count() > 1 else 0)
     assert intra_op_threads(0, limit=float(os.cpu_count() + 8)) == (usable if usable < os.cpu_count() else 0)
+
+
+def test_a_session_opened_without_a_policy_follows_the_workers_variable(tiny_model, monkeypatch):
+    """In-process sessions (benchmarks, tests, an embedding program) take KVSHARE_INTRA_OP_SPINNING
+    as the worker does, else in-run; a value that is no policy is refused naming the choices."""
+    monkeypatch.delenv(SPINNING_VARIABLE, raising=False)
+    assert default_spinning() == "in-run"
+    monkeypatch.setenv(SPINNING_VARIABLE, "always")
+    session = DecoderSession(load_model_spec(tiny_model), "cpu", intra_op_threads=2)
+    options = session._session.get_session_options()
+    assert options.get_session_config_entry("session.force_spinning_stop") == "0"
+    monkeypatch.setenv(SPINNING_VARIABLE, "sometimes")
+    with pytest.raises(ValueError, match="in-run, always, never"):
+        default_spinning()

@@ -242,7 +242,7 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
-             device: str | ArrayDevice = "auto", intra_op_threads: int = 0, intra_op_spinning: str = "in-run") -> Engine:
+             device: str | ArrayDevice = "auto", intra_op_threads: int = 0, intra_op_spinning: str | None = None) -> Engine:
         """``device``: ``--device`` (``device_choice``; a CUDA device that cannot be used raises
         StartupError), or the arrays themselves."""
         spec = load_model_spec(model_dir)

@@ -72,11 +72,11 @@ def blocks_into(dest: np.ndarray, blocks: Sequence[np.ndarray], tokens: int) -> 
 
 
 def open_session(path: Path, device: ArrayDevice, intra_op_threads: int,
-                 intra_op_spinning: str = "in-run") -> ort.InferenceSession:
+                 intra_op_spinning: str | None = None) -> ort.InferenceSession:
     """An ONNX Runtime session on ``device``'s provider; raises ModelLoadError.
 
     ``intra_op_threads`` and ``intra_op_spinning``: as ``threads.intra_op_threads`` and
-    ``threads.SPINNING`` say.
+    ``threads.SPINNING`` say (None: ``threads.default_spinning``).
 
     On a device, where each node runs is recorded and checked (``placement.check_placement``):
     a graph whose compute would run on the CPU is refused, never split silently across devices."""
@@ -131,7 +131,7 @@ class DecoderSession:
     """Runs a decoder on token ids after a cached past; knows nothing of requests or the network."""
 
     def __init__(self, spec: ModelSpec, device: str | ArrayDevice = "auto", intra_op_threads: int = 0,
-                 intra_op_spinning: str = "in-run") -> None:
+                 intra_op_spinning: str | None = None) -> None:
         """``device``: the arrays the slots live in (``device_arrays``), or a ``--device`` text."""
         self.spec = spec
         self.device = open_device(DeviceChoice.parse(device)) if isinstance(device, str) else device
@@ -154,7 +154,7 @@ class DecoderSession:
         options = self._session.get_session_options()
         log.info("model %s on %s (kv %s, layout %s, shared past/present buffer: %s; intra-op threads %s, "
                  "spinning %s)", spec.name, self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer,
-                 options.intra_op_num_threads or "ONNX Runtime's choice", intra_op_spinning)
+                 options.intra_op_num_threads or "ONNX Runtime's choice", intra_op_spinning or threads.default_spinning())
 
     @property
     def device_name(self) -> str:

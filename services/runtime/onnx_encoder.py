@@ -15,7 +15,7 @@ from services.runtime.onnx_decoder import input_dtypes, open_session
 
 class EncoderSession:
     def __init__(self, spec: ModelSpec, device: ArrayDevice, intra_op_threads: int = 0,
-                 intra_op_spinning: str = "in-run") -> None:
+                 intra_op_spinning: str | None = None) -> None:
         """``device``: the decoder's (``DecoderSession.device``), so both share one stream and budget."""
         assert spec.encoder is not None, "an encoder-decoder model"
         self.spec = spec.encoder

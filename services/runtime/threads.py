@@ -24,11 +24,23 @@ instead of sleeping.
 - ``never``: threads sleep between parallel sections.
 """
 _SPIN_CONFIG = {"in-run": ("1", "1"), "always": ("1", "0"), "never": ("0", "0")}
+SPINNING_VARIABLE = "KVSHARE_INTRA_OP_SPINNING"
 
 
-def spin_config(policy: str) -> dict[str, str]:
-    """The session config entries of spinning ``policy`` (one of SPINNING)."""
-    allow, stop = _SPIN_CONFIG[policy]
+def default_spinning() -> str:
+    """The policy of a session opened without one (an in-process engine: benchmarks, tests, a
+    program that embeds kvshare): ``KVSHARE_INTRA_OP_SPINNING``, the variable the worker's
+    ``--intra-op-spinning`` reads, else ``in-run``. The test suite sets ``never``: it runs several
+    test processes on few CPUs, where a thread spinning within a run holds a core its peers need."""
+    policy = os.environ.get(SPINNING_VARIABLE, "in-run")
+    if policy not in _SPIN_CONFIG:
+        raise ValueError(f"{SPINNING_VARIABLE}={policy!r}: expected one of {', '.join(SPINNING)}")
+    return policy
+
+
+def spin_config(policy: str | None = None) -> dict[str, str]:
+    """The session config entries of spinning ``policy`` (one of SPINNING; None: ``default_spinning``)."""
+    allow, stop = _SPIN_CONFIG[policy or default_spinning()]
     return {"session.intra_op.allow_spinning": allow, "session.force_spinning_stop": stop}
 
 
