@@ -13,15 +13,16 @@
 # files; `bash scripts/lock.sh --upgrade` moves every pin to the newest version allowed (then regenerate
 # the gRPC stubs with scripts/gen_proto.py: tests/test_proto_stubs.py compares them with the locked
 # grpcio-tools' output).
-# uv (pinned below) runs from a virtualenv of its own under .venv/ when missing.
+# uv (pinned below) runs from a virtualenv of its own in the user's cache, made when missing.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 uv_version="0.9.28"
-tool_venv="$root/.venv/kvshare-tools/uv"
+tool_venv="${XDG_CACHE_HOME:-$HOME/.cache}/kvshare/tools/uv-$uv_version"
 uv="$tool_venv/bin/uv"
 
 if [ "$("$uv" --version 2>/dev/null | cut -d' ' -f2)" != "$uv_version" ]; then
   echo "kvshare: installing uv $uv_version into $tool_venv" >&2
+  mkdir -p "$(dirname "$tool_venv")"
   python3 -m venv "$tool_venv" >&2
   "$tool_venv/bin/python" -m pip install --quiet --disable-pip-version-check "uv==$uv_version" >&2
 fi
@@ -37,7 +38,7 @@ done
 
 # The build backend is locked too: venv.sh installs the project without build isolation, which would
 # otherwise fetch whatever setuptools is newest.
-build_requires="$("$root/.venv/kvshare-tools/uv/bin/python" - <<'PY'
+build_requires="$("$tool_venv/bin/python" - <<'PY'
 import tomllib
 print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"]))
 PY

@@ -21,8 +21,13 @@ if ! "$py" -c 'import sys; from services.local.redis_process import supports_tls
     echo "kvshare: the redis-server found has no TLS: the rediss:// tests will be skipped (sudo apt-get install redis-server runs them)" >&2
   fi
 fi
+# The suite runs in parallel (pytest-xdist, each test file on one worker process, so a file's shared
+# worker, Redis or model is started once) and in random order (pytest-randomly prints its seed on the
+# first lines; --randomly-seed=N replays that order, -p no:randomly keeps file order). Most tests wait
+# on the real servers they start, so more workers than the 2 CPUs CI has keep them busy.
+# KVSHARE_TEST_WORKERS=0 runs in one process; arguments given here come last and win (-n 0 too).
 set +e
-"$py" -m pytest "$@"
+"$py" -m pytest -n "${KVSHARE_TEST_WORKERS:-4}" --dist loadfile "$@"
 rc=$?
 set -e
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.

