@@ -91,3 +91,10 @@ def test_this_environment_is_the_lock():
     want = pinned(DEV_LOCK)
     differ = {name: (installed.get(name), version) for name, version in want.items() if installed.get(name) != version}
     assert not differ, f"installed vs locked: {differ} (run bash scripts/venv.sh)"
+
+
+def test_the_locks_are_written_by_the_uv_that_installs_them():
+    """scripts/lock.sh runs the uv version the development lock pins (scripts/venv.sh installs with it)."""
+    script = (ROOT / "scripts" / "lock.sh").read_text()
+    written_by = next(line.split('"')[1] for line in script.splitlines() if line.startswith("uv_version="))
+    assert pinned(DEV_LOCK)["uv"] == written_by
