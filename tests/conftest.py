@@ -11,6 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
+from cachestore.factory import StoreOptions
 from cachestore.memory import MemoryStore
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
@@ -40,6 +41,14 @@ def note_margin(label: str, gap: float) -> float:
     """Notes a top-1/top-2 gap measured elsewhere (e.g. from log-probabilities) under ``label``."""
     _margins[label] = min(gap, _margins.get(label, np.inf))
     return gap
+
+
+def store_options(**fields) -> StoreOptions:
+    """StoreOptions for a test's in-process store on a real Redis: the op timeout is a 10 s hang
+    guard, not the worker's 250 ms, so that a reply slowed by a busy machine (four test processes on
+    2 CPUs) is never a store failure that makes the engine compute, which the test's counts of
+    rejected values would then miss. Tests of the timeout itself set their own."""
+    return StoreOptions(**{"op_timeout_ms": 10_000.0, **fields})
 
 
 GPU_TESTS = Path(__file__).parent.resolve() / "gpu"

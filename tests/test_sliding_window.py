@@ -5,10 +5,10 @@ short by a missing window value, generation across the window) gives what a full
 
 import numpy as np
 import pytest
-from conftest import record_margin, stream
+from conftest import record_margin, store_options, stream
 
 from cachestore.codec import ValueKind, encode
-from cachestore.factory import StoreOptions, open_store
+from cachestore.factory import open_store
 from cachestore.keys import block_key, window_block_key
 from cachestore.stats import CacheStats
 from services.engine.engine import Engine, EngineOptions
@@ -31,7 +31,7 @@ def make_engine(folder, redis_url, block_size=B) -> Engine:
     """K/V stored in float32, so that warm logits are compared with the recompute's at float
     tolerance (the default float16 storage is measured in test_cache_dtype)."""
     return Engine.load(folder, EngineOptions(block_size=block_size, cache_dtype="float32"),
-                       open_store(redis_url, StoreOptions(), CacheStats()), CacheStats(), "cpu", 2)
+                       open_store(redis_url, store_options(), CacheStats()), CacheStats(), "cpu", 2)
 
 
 @pytest.fixture()
@@ -203,7 +203,7 @@ def test_a_row_never_copies_positions_another_rows_fetch_left_out(window_model, 
     publisher = make_engine(window_model, redis_url)
     engine = Engine.load(window_model, EngineOptions(block_size=B, cache_dtype="float32",
                                                      scheduler=SchedulerOptions(max_unread_tokens=2)),
-                         open_store(redis_url, StoreOptions(), CacheStats()), CacheStats(), "cpu", 2)
+                         open_store(redis_url, store_options(), CacheStats()), CacheStats(), "cpu", 2)
     long = prompt(9 * B + 6, seed=6)
     short = long[: 5 * B] + prompt(2 * B + 3, seed=7)
 
@@ -242,7 +242,7 @@ def test_signed_window_values_cannot_be_moved_to_another_block(window_model, red
     def signed():
         stats = CacheStats()
         return Engine.load(window_model, EngineOptions(block_size=B, cache_dtype="float32"),
-                           open_store(redis_url, StoreOptions(keyring=keyring), stats), stats, "cpu", 2)
+                           open_store(redis_url, store_options(keyring=keyring), stats), stats, "cpu", 2)
 
     cold, warm = signed(), signed()
     try:
@@ -264,7 +264,7 @@ def test_without_the_window_fetch_every_block_is_one_value_of_every_layer(window
     which the namespace names), never read by a worker that splits them."""
     def plain():
         return Engine.load(window_model, EngineOptions(block_size=B, cache_dtype="float32", window_fetch=False),
-                           open_store(redis_url, StoreOptions(), CacheStats()), CacheStats(), "cpu", 2)
+                           open_store(redis_url, store_options(), CacheStats()), CacheStats(), "cpu", 2)
 
     with caplog.at_level("INFO", logger="services.engine.engine"):
         cold, warm, split = plain(), plain(), make_engine(window_model, redis_url)

@@ -9,11 +9,12 @@ import asyncio
 import numpy as np
 import pytest
 import redis
+from conftest import store_options
 from test_batching import make_engine as batching_engine
 from test_sliding_window import TOLERANCE, B, make_engine, prompt, recomputed, run
 
 from cachestore.codec import Expected, ValueKind, decode, encode
-from cachestore.factory import StoreOptions, open_store
+from cachestore.factory import open_store
 from cachestore.keys import block_key, lease_key, window_block_key
 from cachestore.stats import CacheStats
 from services.engine.engine import Engine, EngineOptions
@@ -33,7 +34,7 @@ def pausing_engine(folder, redis_url) -> Engine:
     """An engine whose streams pause after 2 unread tokens: a request nobody reads holds its slot."""
     return Engine.load(folder, EngineOptions(block_size=B, cache_dtype="float32",
                                              scheduler=SchedulerOptions(max_unread_tokens=2)),
-                       open_store(redis_url, StoreOptions(), CacheStats()), CacheStats(), "cpu", 2)
+                       open_store(redis_url, store_options(), CacheStats()), CacheStats(), "cpu", 2)
 
 
 async def collect(engine: Engine, request: GenerationRequest):
@@ -246,7 +247,7 @@ def test_blocks_taken_on_a_trail_fill_the_windows_they_bring_and_no_row_copies_t
     never filled. Its answer is the recompute's; a later prompt sharing its first 23 blocks,
     finding nothing in the store, computes them rather than copy those positions."""
     client = redis.Redis.from_url(redis_url)
-    engine = batching_engine(window_model, open_store(redis_url, StoreOptions(), CacheStats()), cache_dtype="float32",
+    engine = batching_engine(window_model, open_store(redis_url, store_options(), CacheStats()), cache_dtype="float32",
                              max_prefill_tokens_per_step=32, max_unread_tokens=2,
                              leases=LeaseOptions(wait_factor=1, first_ms_per_token=1))
     ids = prompt(24 * B + 8, seed=34)
