@@ -3,6 +3,7 @@ the benchmarks and the tests. The binary comes from the system or from the redis
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -38,7 +39,22 @@ def stored_values(client: redis.Redis) -> int:
     return sum(not key.startswith(lease) for key in client.scan_iter(count=1000))
 
 
+_PORTS_PER_TEST_PROCESS = 1500
+_FIRST_TEST_PORT = 20000
+
+
 def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a server started a moment later. Under pytest-xdist
+    (``PYTEST_XDIST_WORKER`` = gwN) each test process draws from a range of its own below the
+    kernel's ephemeral ports (from 32768), so that two processes never pick the same port between
+    the pick and the bind; elsewhere the kernel picks one."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        first = _FIRST_TEST_PORT + int(worker[2:]) % 8 * _PORTS_PER_TEST_PROCESS
+        for _ in range(200):
+            port = random.randrange(first, first + _PORTS_PER_TEST_PROCESS)
+            if _port_free(port):
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
