@@ -39,8 +39,8 @@ class CountingArrays(HostArrays):
         super().__init__()
         self.log: list[tuple[str, int]] = []
 
-    def copy_in(self, dest, block) -> None:
-        super().copy_in(dest, block)
+    def copy_in(self, dest, block, fetch=None) -> None:
+        super().copy_in(dest, block, fetch)
         self.log.append(("in", dest.nbytes))
 
     def copy_out(self, array, key):

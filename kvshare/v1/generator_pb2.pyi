@@ -217,7 +217,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetModelInfoResponse(_message.Message):
-    __slots__ = ("name", "fingerprint", "num_layers", "num_heads", "num_kv_heads", "head_size", "context_length", "vocab_size", "kv_bytes_per_token", "block_size", "encoder_decoder", "execution_provider", "cache_dtype", "cached_bytes_per_token", "device", "slots", "slot_bytes", "chat_template", "audio_input", "layer_groups")
+    __slots__ = ("name", "fingerprint", "num_layers", "num_heads", "num_kv_heads", "head_size", "context_length", "vocab_size", "kv_bytes_per_token", "block_size", "encoder_decoder", "execution_provider", "cache_dtype", "cached_bytes_per_token", "device", "slots", "slot_bytes", "chat_template", "audio_input", "layer_groups", "device_memory")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class GetModelInfoResponse(_message.Message):
     CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
     AUDIO_INPUT_FIELD_NUMBER: _ClassVar[int]
     LAYER_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_MEMORY_FIELD_NUMBER: _ClassVar[int]
     name: str
     fingerprint: str
     num_layers: int
@@ -258,7 +259,20 @@ class GetModelInfoResponse(_message.Message):
     chat_template: bool
     audio_input: bool
     layer_groups: _containers.RepeatedCompositeFieldContainer[LayerGroup]
-    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., encoder_decoder: _Optional[bool] = ..., execution_provider: _Optional[str] = ..., cache_dtype: _Optional[str] = ..., cached_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chat_template: _Optional[bool] = ..., audio_input: _Optional[bool] = ..., layer_groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ...) -> None: ...
+    device_memory: DeviceMemory
+    def __init__(self, name: _Optional[str] = ..., fingerprint: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_size: _Optional[int] = ..., context_length: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_bytes_per_token: _Optional[int] = ..., block_size: _Optional[int] = ..., encoder_decoder: _Optional[bool] = ..., execution_provider: _Optional[str] = ..., cache_dtype: _Optional[str] = ..., cached_bytes_per_token: _Optional[int] = ..., device: _Optional[str] = ..., slots: _Optional[int] = ..., slot_bytes: _Optional[int] = ..., chat_template: _Optional[bool] = ..., audio_input: _Optional[bool] = ..., layer_groups: _Optional[_Iterable[_Union[LayerGroup, _Mapping]]] = ..., device_memory: _Optional[_Union[DeviceMemory, _Mapping]] = ...) -> None: ...
+
+class DeviceMemory(_message.Message):
+    __slots__ = ("free_bytes", "reserve_bytes", "arena_bytes", "bank_bytes")
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESERVE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BANK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    free_bytes: int
+    reserve_bytes: int
+    arena_bytes: int
+    bank_bytes: int
+    def __init__(self, free_bytes: _Optional[int] = ..., reserve_bytes: _Optional[int] = ..., arena_bytes: _Optional[int] = ..., bank_bytes: _Optional[int] = ...) -> None: ...
 
 class LayerGroup(_message.Message):
     __slots__ = ("layers", "window", "kv_bytes_per_token", "cached_bytes_per_token", "fetched_over_window")

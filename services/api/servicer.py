@@ -302,4 +302,12 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
                                             self._engine.storage_dtype.itemsize, len(group.layers)),
                                         fetched_over_window=group.window > 0 and self._engine.prefix.geometry.window > 0)
                           for group in spec.layer_groups],
+            device_memory=self._device_memory(),
         )
+
+    def _device_memory(self) -> pb.DeviceMemory | None:
+        budget = self._engine.session.device.budget
+        if budget is None:
+            return None
+        return pb.DeviceMemory(free_bytes=budget.free, reserve_bytes=budget.reserve, arena_bytes=budget.arenas,
+                               bank_bytes=budget.bank)

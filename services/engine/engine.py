@@ -216,6 +216,8 @@ class Engine:
                  f"at most {shares.max_rows} rows per client" if shares.max_rows else "fair shares between clients")
         log.info("K/V slots on %s (%s): %d x %d tokens, %d bytes", session.device_name, session.execution_provider,
                  scheduling.max_batch, spec.context_length, self.slot_bytes)
+        if session.device.budget is not None:
+            log.info("device memory on %s: %s", session.device_name, session.device.budget.describe())
 
     def _log_layer_groups(self) -> None:
         """The memory formula per layer group, for models with sliding-window layers."""

@@ -61,6 +61,11 @@ class ModelRunner:
         self.session = session
         self.encoder = encoder
         self.slots = open_slots(session, max_batch, context_length)
+        if not session.on_host:
+            started = time.perf_counter()
+            self.slots.warm_up()
+            log.info("K/V slots on %s: every device operation ran once (kernels compiled) in %.2f s",
+                     session.device_name, time.perf_counter() - started)
         self.kv = kv
         self.pace = pace
         """Measured prefill cost, observed after every chunk (how long computing a run would take)."""

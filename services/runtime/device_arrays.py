@@ -10,16 +10,23 @@ Every copy of K/V counts its bytes by direction in ``CopyCounter`` (exported as
 ``kvshare_slot_copy_bytes_total``): what a copy moves is what it needed, never a whole-capacity
 buffer.
 
-Ordering on CUDA (see docs/design.md, "One stream"): ONNX Runtime runs on the stream CuPy copies
-on (``user_compute_stream``), so a copy enqueued before a run is ordered before that run's kernels
-and a copy enqueued after it reads what the run wrote. Only three things wait on the host: a copy
-in waits for its own host-to-device transfer before its pinned staging is reused; a copy out hands
-the write thread an event to wait on (``HostCopy.result``); and a run's logits, which sampling needs.
+Ordering on CUDA (docs/design.md, "Two streams, ordered by events"): ONNX Runtime runs on the
+stream CuPy copies on (``user_compute_stream``), so a copy enqueued before a run is ordered before
+that run's kernels and a copy enqueued after it reads what the run wrote. Copies into a slot that a read thread makes
+while the slot fetches (``Fetch``) go on a second stream, so they overlap the runs instead of
+waiting for the one in flight: the first waits for the slot's ``mark`` (an event taken on the
+compute stream when the slot was handed out, after its previous owner's last copy out and every
+run that wrote its row), and ``join`` makes the compute stream wait for them, on the device, when
+the row joins a step. Nothing waits on the host but a copy out's consumer (``HostCopy.result``, on
+a write thread) and a run's logits, which sampling needs; pinned staging is kept until the event
+of its transfer has passed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from services.errors import StartupError
+from services.runtime.device_budget import DeviceBudget
 from services.runtime.device_choice import DeviceChoice
 from services.runtime.kv_cast import cast_into
 
@@ -86,12 +94,19 @@ class HostArrays:
     default_kv_cache_bytes = 2 << 30
     """``--kv-cache-bytes`` when it is 0: host memory is not measured, the user sizes it."""
 
+    provider = "CPUExecutionProvider"
+    budget = None
+    """Host memory is not split: the user sizes the slots (``--kv-cache-bytes``)."""
+
     def __init__(self) -> None:
         self.copied = CopyCounter()
 
-    @property
-    def providers(self) -> list[Any]:
-        return ["CPUExecutionProvider"]
+    def session_providers(self, arena_bytes: int) -> list[Any]:
+        """The providers of a session (``arena_bytes``: its share of ``budget.arenas``; unused here)."""
+        return [self.provider]
+
+    def unavailable(self, got: str) -> str:
+        return f"ONNX Runtime runs this session on {got}, not on {self.provider}"
 
     def zeros(self, shape: list[int], dtype: np.dtype) -> np.ndarray:
         return aligned_zeros(shape, dtype)
@@ -107,7 +122,17 @@ class HostArrays:
         """A small model input (ids, mask, positions) where the session reads it."""
         return host
 
-    def copy_in(self, dest: np.ndarray, block: np.ndarray) -> None:
+    def mark(self) -> None:
+        """Nothing to order on the host: every copy is done when it returns."""
+        return None
+
+    def fetch(self, after: None) -> None:
+        return None
+
+    def join(self, fetch: None) -> None:
+        """Nothing to wait for: see ``mark``."""
+
+    def copy_in(self, dest: np.ndarray, block: np.ndarray, fetch: None = None) -> None:
         """``dest[...] = block`` (``dest`` a view into the slots, maybe strided), ``block``'s dtype
         widened or narrowed to the slots'."""
         cast_into(dest, block)
@@ -131,40 +156,63 @@ class HostArrays:
         return array
 
 
+@dataclass(slots=True, eq=False)
+class Fetch:
+    """Copies into one slot from the read threads of its fetch (``CudaArrays.copy_in`` with it),
+    on the device's fetch stream: the first waits for ``after``, the slot's ``mark``."""
+
+    after: Any
+    started: bool = False
+    """A copy was enqueued: ``join`` has something to wait for."""
+
+
 class CudaArrays:
-    """CuPy arrays on one CUDA device, every copy and every ONNX Runtime run on one stream."""
+    """CuPy arrays on one CUDA device: ONNX Runtime's runs and the scheduler thread's copies on one
+    stream (``stream``), read threads' copies into fetching slots on another (``fetch_stream``)."""
 
     kind = "cuda"
+    provider = "CUDAExecutionProvider"
 
-    def __init__(self, index: int, pool_bytes: int, arena_bytes: int) -> None:
-        """``pool_bytes`` caps CuPy's pool (the slot bank and staging), ``arena_bytes`` ONNX
-        Runtime's arena (weights and activations): two budgets, so the two allocators cannot both
-        grow into the same free memory."""
-        import cupy
-
+    def __init__(self, index: int, budget: DeviceBudget, cupy_module: Any = None) -> None:
+        """``budget``: the device's memory split (``device_budget``); CuPy's pool is capped at its
+        bank, each session's arena at its share of its arenas. ``cupy_module``: CuPy, or a stand-in
+        with the same calls (the CPU tests' counting device)."""
+        cupy = cupy_module or importlib.import_module("cupy")
         self.xp = cupy
         self.index = index
+        self.budget = budget
         self.copied = CopyCounter()
         self._device = cupy.cuda.Device(index)
         with self._device:
             # Non-blocking, as ORT's own would be: ordered only against itself, not the legacy stream.
             self.stream = cupy.cuda.Stream(non_blocking=True)
-            cupy.get_default_memory_pool().set_limit(size=pool_bytes)
-        self._arena_bytes = arena_bytes
-        # A tenth of the pool stays for pinned-staging's device side and gathers.
-        self.default_kv_cache_bytes = pool_bytes * 9 // 10
+            self.fetch_stream = cupy.cuda.Stream(non_blocking=True)
+            cupy.get_default_memory_pool().set_limit(size=budget.bank)
+        self.default_kv_cache_bytes = budget.slot_default
+        self._staged: list[tuple[Any, np.ndarray]] = []
+        self._staged_lock = threading.Lock()
 
-    @property
-    def providers(self) -> list[Any]:
-        return [("CUDAExecutionProvider", {
+    def session_providers(self, arena_bytes: int) -> list[Any]:
+        return [(self.provider, {
             "device_id": str(self.index),
             "user_compute_stream": str(self.stream.ptr),
-            "gpu_mem_limit": str(self._arena_bytes),
+            "gpu_mem_limit": str(arena_bytes),
             "arena_extend_strategy": "kSameAsRequested",
+            # EXHAUSTIVE (ONNX Runtime's default) benchmarks every convolution algorithm on first use:
+            # seconds on a request's path for Whisper's encoder. The heuristic picks at once.
+            "cudnn_conv_algo_search": "HEURISTIC",
         })]
 
+    def unavailable(self, got: str) -> str:
+        """One line for a session that ONNX Runtime put on ``got`` instead of its CUDA provider."""
+        missing = missing_cuda_libraries()
+        why = (f"{', '.join(missing)} cannot be loaded (install onnxruntime-gpu's cuda and cudnn extras, or "
+               "CUDA 13's runtime, cuBLAS, cuRAND and cuFFT and cuDNN 9 on the library path)" if missing else
+               "the libraries it needs load, so ONNX Runtime's own log line above names the cause")
+        return f"ONNX Runtime could not create its CUDA provider on cuda:{self.index} and would run on {got}: {why}"
+
     def scope(self) -> _Scope:
-        """This device and the stream current on this thread: CuPy work inside is ordered with the runs."""
+        """This device and the compute stream current on this thread: CuPy work inside is ordered with the runs."""
         return _Scope(self._device, self.stream)
 
     def zeros(self, shape: list[int], dtype: np.dtype) -> Any:
@@ -178,21 +226,52 @@ class CudaArrays:
         with self.scope():
             return self.xp.asarray(host)
 
+    def mark(self) -> Any:
+        """An event on the compute stream: what is enqueued there now comes before it."""
+        with self.scope():
+            return self.stream.record()
+
+    def fetch(self, after: Any) -> Fetch:
+        return Fetch(after)
+
+    def join(self, fetch: Fetch | None) -> None:
+        """The compute stream waits (on the device) for every copy ``fetch`` enqueued."""
+        if fetch is not None and fetch.started:
+            with self._device:
+                self.stream.wait_event(self.fetch_stream.record())
+
     def _pinned(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        """Page-locked host memory; with this device current, so a read thread makes no context on
+        device 0 (CUDA's default on a new thread)."""
         dtype = np.dtype(dtype)
         count = int(np.prod(shape))
-        memory = self.xp.cuda.alloc_pinned_memory(max(1, count * dtype.itemsize))
+        with self._device:
+            memory = self.xp.cuda.alloc_pinned_memory(max(1, count * dtype.itemsize))
         return np.frombuffer(memory, dtype, count).reshape(shape)
 
-    def copy_in(self, dest: Any, block: np.ndarray) -> None:
+    def _keep(self, done: Any, staging: np.ndarray) -> None:
+        """Holds ``staging`` until event ``done`` has passed: CuPy's pinned pool would hand the
+        memory out again while the transfer still reads it. Drops those whose transfer is done."""
+        with self._staged_lock:
+            self._staged = [(event, held) for event, held in self._staged if not event.done]
+            self._staged.append((done, staging))
+
+    def copy_in(self, dest: Any, block: np.ndarray, fetch: Fetch | None = None) -> None:
+        """``dest[...] = block`` through pinned staging, without waiting for it on the host: on the
+        compute stream, or with ``fetch`` on the fetch stream after the fetching slot's mark."""
+        stream = self.stream if fetch is None else self.fetch_stream
         staging = self._pinned(dest.shape, dest.dtype)
         cast_into(staging, block)
-        with self.scope():
+        with _Scope(self._device, stream):
+            if fetch is not None and not fetch.started:
+                stream.wait_event(fetch.after)
+                fetch.started = True
+            # The temporary goes back to CuPy's pool on return; the pool is per stream, so whatever
+            # reuses it is ordered after this copy.
             device = self.xp.empty(dest.shape, dtype=dest.dtype)
-            device.set(staging, stream=self.stream)
+            device.set(staging, stream=stream)
             dest[...] = device
-            # The pinned staging goes back to CuPy's pool when this returns: the transfer must be done.
-            self.stream.synchronize()
+            self._keep(stream.record(), staging)
         self.copied.add("in", staging.nbytes)
 
     def copy_out(self, array: Any, key: tuple) -> HostCopy:
@@ -262,15 +341,32 @@ def cuda_problem(index: int) -> str | None:
     return None
 
 
-POOL_SHARE, ARENA_SHARE = 0.5, 0.4
-"""Of a CUDA device's free memory at start: CuPy's pool (K/V slots, whose default budget is most
-of it), ONNX Runtime's arena (weights, activations); the rest is the CUDA context, cuBLAS and
-cuDNN workspaces, which neither allocator sees."""
+CUDA_LIBRARIES = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libcufft.so.12",
+                  "libcudnn.so.9")
+"""What the CUDA provider of onnxruntime-gpu 1.31 (built for CUDA 13 and cuDNN 9) loads."""
+
+
+def missing_cuda_libraries() -> list[str]:
+    """Those of ``CUDA_LIBRARIES`` the dynamic loader cannot load here."""
+    missing = []
+    for name in CUDA_LIBRARIES:
+        try:
+            ctypes.CDLL(name)
+        except OSError:
+            missing.append(name)
+    return missing
+
+
+_opened: dict[int, CudaArrays] = {}
+_opened_lock = threading.Lock()
 
 
 def open_device(choice: DeviceChoice) -> ArrayDevice:
     """The arrays for ``choice``; ``auto`` is CUDA device 0 when it can be used, else the CPU.
-    CUDA asked for and not usable raises StartupError with the reason (no silent fallback)."""
+    CUDA asked for and not usable raises StartupError with the reason (no silent fallback).
+
+    A CUDA device is opened once per process: its budget is split from the memory free then, and
+    CuPy's pool limit (one per device and process) set once."""
     if choice.kind == "cpu":
         return HostArrays()
     problem = cuda_problem(choice.index)
@@ -280,6 +376,9 @@ def open_device(choice: DeviceChoice) -> ArrayDevice:
         raise StartupError(f"--device {choice}: {problem}")
     import cupy
 
-    with cupy.cuda.Device(choice.index):
-        free, _total = cupy.cuda.runtime.memGetInfo()
-    return CudaArrays(choice.index, int(free * POOL_SHARE), int(free * ARENA_SHARE))
+    with _opened_lock:
+        if choice.index not in _opened:
+            with cupy.cuda.Device(choice.index):
+                free, _total = cupy.cuda.runtime.memGetInfo()
+            _opened[choice.index] = CudaArrays(choice.index, DeviceBudget.split(free))
+        return _opened[choice.index]

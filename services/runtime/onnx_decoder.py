@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.errors import ModelLoadError
+from services.errors import ModelLoadError, StartupError
 from services.runtime import threads
 from services.runtime.device_arrays import ArrayDevice, aligned_zeros, open_device
 from services.runtime.device_choice import DeviceChoice
@@ -71,32 +71,54 @@ def blocks_into(dest: np.ndarray, blocks: Sequence[np.ndarray], tokens: int) -> 
         offset += n
 
 
-def open_session(path: Path, device: ArrayDevice, intra_op_threads: int,
-                 intra_op_spinning: str | None = None) -> ort.InferenceSession:
-    """An ONNX Runtime session on ``device``'s provider; raises ModelLoadError.
+def weight_bytes(path: Path) -> int:
+    """Bytes of the graph ``path`` and of the external data files it names: its weights, near enough
+    to split ONNX Runtime's arenas between a model's sessions (``DeviceBudget.arena``)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    files = {entry.value for tensor in graph.initializer for entry in tensor.external_data if entry.key == "location"}
+    return path.stat().st_size + sum((path.parent / name).stat().st_size for name in files
+                                     if (path.parent / name).is_file())
+
+
+def open_session(path: Path, device: ArrayDevice, intra_op_threads: int, intra_op_spinning: str | None = None,
+                 model_graphs: Sequence[Path] = ()) -> ort.InferenceSession:
+    """An ONNX Runtime session on ``device``'s provider; raises ModelLoadError, or StartupError
+    when ONNX Runtime would not run it on that provider at all.
 
     ``intra_op_threads`` and ``intra_op_spinning``: as ``threads.intra_op_threads`` and
-    ``threads.SPINNING`` say (None: ``threads.default_spinning``).
+    ``threads.SPINNING`` say (None: ``threads.default_spinning``). ``model_graphs``: every graph of
+    the model (``path`` among them) whose sessions share the device's arenas, split by weights.
 
-    On a device, where each node runs is recorded and checked (``placement.check_placement``):
-    a graph whose compute would run on the CPU is refused, never split silently across devices."""
+    ONNX Runtime's Python API falls back to the CPU provider when a device provider cannot be
+    created (its libraries missing), logging one line: here that is refused with the reason, before
+    anything else. On a device, where each node runs is recorded and checked
+    (``placement.check_placement``): a graph whose compute would run on the CPU is refused, never
+    split silently across devices."""
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads.intra_op_threads(intra_op_threads)
     for key, value in threads.spin_config(intra_op_spinning).items():
         options.add_session_config_entry(key, value)
     options.log_severity_level = 3
     on_device = device.kind != "cpu"
+    arena = 0
     if on_device:
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        graphs = list(model_graphs) or [path]
+        arena = device.budget.arena(weight_bytes(path), sum(weight_bytes(graph) for graph in graphs))
     try:
-        session = ort.InferenceSession(str(path), sess_options=options, providers=device.providers)
+        session = ort.InferenceSession(str(path), sess_options=options, providers=device.session_providers(arena),
+                                       enable_fallback=0)
     except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidGraph,
             ort.capi.onnxruntime_pybind11_state.NoSuchFile, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf) as exc:
         raise ModelLoadError(f"{path}: ONNX Runtime cannot load it: {exc}") from exc
     except ort.capi.onnxruntime_pybind11_state.NotImplemented as exc:
         raise ModelLoadError(_missing_kernel(path, str(exc))) from exc
+    if (got := session.get_providers()[0]) != device.provider:
+        raise StartupError(f"{path}: {device.unavailable(got)}")
     if on_device:
-        check_placement(path, session.get_provider_graph_assignment_info(), device.providers[0][0])
+        check_placement(path, session.get_provider_graph_assignment_info(), device.provider)
     return session
 
 
@@ -127,6 +149,11 @@ def input_dtypes(session: ort.InferenceSession, path: Path) -> dict[str, np.dtyp
     return {n: np.dtype(_ORT_TYPES[t]) for n, t in types.items()}
 
 
+def model_graphs(spec: ModelSpec) -> list[Path]:
+    """The graphs whose sessions a model runs: its decoder's, and its encoder's where it has one."""
+    return [spec.onnx_path] + ([spec.encoder.onnx_path] if spec.encoder is not None else [])
+
+
 class DecoderSession:
     """Runs a decoder on token ids after a cached past; knows nothing of requests or the network."""
 
@@ -135,7 +162,8 @@ class DecoderSession:
         """``device``: the arrays the slots live in (``device_arrays``), or a ``--device`` text."""
         self.spec = spec
         self.device = open_device(DeviceChoice.parse(device)) if isinstance(device, str) else device
-        self._session = open_session(spec.onnx_path, self.device, intra_op_threads, intra_op_spinning)
+        self._session = open_session(spec.onnx_path, self.device, intra_op_threads, intra_op_spinning,
+                                     model_graphs(spec))
         self.execution_provider = self._session.get_providers()[0]
         self._device = (self.device.kind, self.device.index)
         dtypes = input_dtypes(self._session, spec.onnx_path)

@@ -10,7 +10,7 @@ import numpy as np
 from services.errors import InvalidRequest, ModelLoadError
 from services.runtime.device_arrays import ArrayDevice
 from services.runtime.model_spec import ModelSpec
-from services.runtime.onnx_decoder import input_dtypes, open_session
+from services.runtime.onnx_decoder import input_dtypes, model_graphs, open_session
 
 
 class EncoderSession:
@@ -19,7 +19,8 @@ class EncoderSession:
         """``device``: the decoder's (``DecoderSession.device``), so both share one stream and budget."""
         assert spec.encoder is not None, "an encoder-decoder model"
         self.spec = spec.encoder
-        self._session = open_session(self.spec.onnx_path, device, intra_op_threads, intra_op_spinning)
+        self._session = open_session(self.spec.onnx_path, device, intra_op_threads, intra_op_spinning,
+                                     model_graphs(spec))
         dtypes = input_dtypes(self._session, self.spec.onnx_path)
         if self.spec.input_name not in dtypes:
             raise ModelLoadError(f"{self.spec.onnx_path}: no input named {self.spec.input_name!r}")

@@ -32,7 +32,10 @@ One thread (the scheduler's) calls every method, with one exception: the functio
 safe because a fetching row's ``length`` is 0 until ``begin``: decode runs in flight write into
 its position 0 only, so the receiver leaves block 0 to ``begin`` (scheduler thread, between runs). A row
 lock makes ``release`` wait for a copy in progress and stops later ones, so a fetch that outlives
-its request never writes into the row's next owner.
+its request never writes into the row's next owner. On a device those copies are only enqueued, on
+a stream of their own (``device_arrays.Fetch``): ordered after the slot's ``ready`` mark (taken at
+``acquire``, after the previous owner's last copy out), and joined into the compute stream by
+``begin``, or by ``release`` for a fetch that never began, before anything else uses the row.
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ import heapq
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
+from services.errors import StartupError
 from services.runtime.device_arrays import HostCopy
 from services.runtime.memory import populate
 from services.runtime.onnx_decoder import DecoderSession, KVCache
@@ -65,6 +70,10 @@ class Slot:
     """``SequenceSlots`` only: the sequence's own cache."""
     released: bool = False
     """Given back to the bank; a ``receiver`` copies nothing more into it."""
+    ready: Any = None
+    """``SharedSlots`` on a device: the compute stream's mark when the slot was handed out."""
+    fetch: Any = None
+    """``SharedSlots`` on a device: the copies a ``receiver`` enqueued (``device_arrays.Fetch``)."""
 
 
 class _Bank:
@@ -99,6 +108,10 @@ class _Bank:
         faulted in; 0 where the slots' memory is made per request or lives on a device."""
         return 0
 
+    def warm_up(self) -> None:
+        """Runs once, before serving, what a first request would otherwise pay for or fail on
+        (see ``SharedSlots.warm_up``); nothing here: these slots' K/V are ONNX Runtime's own."""
+
 
 def batches_rows(session: DecoderSession) -> bool:
     """Whether ``open_slots`` gives this session ``SharedSlots``, whose rows one decode run batches
@@ -126,9 +139,18 @@ class SharedSlots(_Bank):
         self._decode_bindings: dict[int, ort.IOBinding] = {}
         self._row_locks = [threading.Lock() for _ in range(max_batch)]
 
+    def acquire(self, capacity: int) -> Slot:
+        slot = super().acquire(capacity)
+        slot.ready = self.device.mark()
+        return slot
+
     def release(self, slot: Slot) -> None:
         with self._row_locks[slot.index]:
             super().release(slot)
+        # A fetch that never began may still have copies in flight into the row: its next owner's
+        # work on the compute stream comes after them.
+        self.device.join(slot.fetch)
+        slot.fetch = None
         self._lengths[slot.index] = 0
 
     def prefault(self, tokens: int) -> int:
@@ -136,12 +158,44 @@ class SharedSlots(_Bank):
             return 0
         return populate(self._kv[:, :, 0, :, : min(tokens, self.max_seq)])
 
+    def warm_up(self) -> None:
+        """Runs each device operation of the bank once (a prefill, one-row and two-row decodes, a
+        copy out, a fork, a beam reorder, a fetched block and a ``begin``) on rows it frees again:
+        CuPy compiles each kernel (NVRTC) on its first use with a dtype and rank, so a machine that
+        cannot compile them stops the worker here with the reason (StartupError), not in a request,
+        and no request pays for compiling. The bank, its lengths and its copy counts are as they were."""
+        assert self.max_seq >= 4 and self.free == self.max_batch, "a bank of at least 4 positions, before serving"
+        counted = dict(self.device.copied.bytes)
+        rows = [self.acquire(4) for _ in range(min(2, self.max_batch))]
+        first, last = rows[0], rows[-1]
+        try:
+            self.prefill(first, [0, 0])
+            self.decode(rows[:1], [0])
+            block = self.canonical(first, 0, 1).result()
+            if len(rows) > 1:
+                self.fork(first, rows[1:])
+                self.decode(rows, [0, 0])
+                self.reorder(rows, np.array([1, 0]), 3)
+            self.receiver(last)(1, block, slice(None))
+            self.begin(last, [block], 1)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the worker cannot serve: say why, at start
+            raise StartupError(
+                f"the K/V slots on {self.session.device_name} failed a first run of their device operations "
+                f"({type(exc).__name__}: {exc}); on CUDA, CuPy compiles its kernels with NVRTC, which needs the CUDA "
+                "runtime headers: kvshare[gpu] installs them (nvidia-cuda-runtime, nvidia-cuda-crt), or set "
+                "CUDA_PATH to a CUDA toolkit") from exc
+        finally:
+            for slot in rows:
+                self.release(slot)
+            self.device.copied.bytes.update(counted)
+
     def receiver(self, slot: Slot) -> BlockReceiver:
         """Copies fetched block ``i`` (canonical ``layers``, any storage dtype) into the slot's
         row, on a read thread (see the module's invariant), except block 0: decode runs in flight
         may write the row's position 0 until ``begin``, so it is kept (returns True) and copied by
         ``begin`` alone: every cached byte crosses once."""
         lock, row = self._row_locks[slot.index], self._kv[:, :, slot.index]
+        slot.fetch = self.device.fetch(slot.ready)
 
         def receive(i: int, block: np.ndarray, layers: slice) -> bool:
             if i == 0:
@@ -149,7 +203,7 @@ class SharedSlots(_Bank):
             n = block.shape[3]
             with lock:
                 if not slot.released:
-                    self.device.copy_in(row[layers, :, :, i * n : (i + 1) * n], block)
+                    self.device.copy_in(row[layers, :, :, i * n : (i + 1) * n], block, slot.fetch)
             return False
 
         return receive
@@ -179,6 +233,8 @@ class SharedSlots(_Bank):
         """Fills the slot with the first ``tokens`` tokens of cached ``blocks`` and ``windows``
         (those a ``receiver`` did not copy: block 0 of a streamed fetch, every block otherwise)."""
         assert cross_kv is None, "encoder-decoder models use SequenceSlots"
+        self.device.join(slot.fetch)
+        slot.fetch = None
         self._blocks_into(slot, 0, blocks, tokens, windows)
         self._set_length(slot, tokens)
 
