@@ -34,6 +34,9 @@ def test_a_run_reads_and_writes_rows_of_cupy_arrays_in_place():
     session = add_one_session()
     source = cupy.arange(ROWS * WIDTH, dtype=cupy.float16).reshape(ROWS, WIDTH)
     target = cupy.full((ROWS, WIDTH), -1, dtype=cupy.float16)
+    # Filled on CuPy's current stream; the session runs on a non-blocking stream of its own, which
+    # does not wait for that one: the fills must be done before the run reads them.
+    cupy.cuda.get_current_stream().synchronize()
     row_bytes = WIDTH * source.itemsize
     binding = session.io_binding()
     binding.bind_input("x", "cuda", 0, np.float16, [1, WIDTH], source.data.ptr + 2 * row_bytes)

@@ -31,6 +31,37 @@ pytestmark = pytest.mark.cuda
 B = 16
 FP16_LOGITS = 0.25
 """Largest |logit difference| accepted between two float16 computations of the same tokens."""
+FLIP_MARGIN = 2 * FP16_LOGITS
+"""Two computations whose logits differ by up to FP16_LOGITS may rank two tokens differently only
+where the reference's top two logits lie within twice that: a near tie, which a different kernel's
+rounding (CUDA against the CPU, a batched run against one row) may break the other way. Tokens are
+judged as the CPU tests judge theirs: equal, or parting only at such a tie."""
+
+
+def _top_gap(logits: np.ndarray) -> float:
+    top2 = np.sort(logits.astype(np.float64))[-2:]
+    return float(top2[1] - top2[0])
+
+
+def _assert_agree(got, want) -> None:
+    """``got`` and ``want`` (tokens, logits) of one greedy request computed two ways: the same
+    tokens up to the step where they part, if any; logits within FP16_LOGITS up to and including
+    that step (the same inputs until then); and they part only at a near tie of ``want``."""
+    (tokens, logits), (want_tokens, want_logits) = got, want
+    parted = next((i for i, (a, b) in enumerate(zip(tokens, want_tokens, strict=True)) if a != b), len(want_tokens))
+    compared = min(parted + 1, len(want_tokens))
+    assert np.abs(np.asarray(logits[:compared]) - np.asarray(want_logits[:compared])).max() <= FP16_LOGITS
+    if parted < len(want_tokens):
+        gap = _top_gap(np.asarray(want_logits[parted]))
+        assert gap <= FLIP_MARGIN, f"tokens part at step {parted}, where the reference's top two are {gap:.3f} apart"
+
+
+def _assert_same_or_near_tie(tokens, want_tokens, reference_logits) -> None:
+    """Beams and samples return no logits to compare: their tokens are equal, or part where the
+    reference's greedy run over the same prompt (``reference_logits``) has a near tie."""
+    if tokens != want_tokens:
+        gap = min(_top_gap(np.asarray(step)) for step in reference_logits)
+        assert gap <= FLIP_MARGIN, f"the tokens part though the reference's smallest top-two gap is {gap:.3f}"
 
 
 def _engine(folder, device: str) -> Engine:
@@ -87,8 +118,7 @@ def test_batched_rows_on_the_device_equal_each_row_alone(on_device):
     batched = asyncio.run(together())
     assert on_device.runner.stats.max_decode_rows > 1 and on_device.runner.stats.decode_steps > steps
     for (tokens, logits, _), (want, want_logits, _) in zip(batched, alone, strict=True):
-        assert tokens == want
-        assert np.abs(np.array(logits) - want_logits).max() <= FP16_LOGITS
+        _assert_agree((tokens, logits), (want, want_logits))
 
 
 def test_warm_equals_cold_and_copies_exactly_the_cached_tokens(on_device):
@@ -102,25 +132,23 @@ def test_warm_equals_cold_and_copies_exactly_the_cached_tokens(on_device):
     warm_tokens, warm_logits, last = _one(on_device, _request(ids))
     assert last.usage.cached_prompt_tokens == 4 * B
     assert copied["in"] - before["in"] == 4 * B * per_token
-    assert warm_tokens == cold_tokens
-    assert np.abs(warm_logits - cold_logits).max() <= FP16_LOGITS
+    _assert_agree((warm_tokens, warm_logits), (cold_tokens, cold_logits))
 
 
 def test_the_device_agrees_with_the_hosts_reference(on_device, on_host):
     ids = _prompt(3 * B + 2, 9)
     device_tokens, device_logits, _ = _one(on_device, _request(ids, 8))
     host_tokens, host_logits, _ = _one(on_host, _request(ids, 8))
-    assert device_tokens == host_tokens
-    assert np.abs(device_logits - host_logits).max() <= FP16_LOGITS
+    _assert_agree((device_tokens, device_logits), (host_tokens, host_logits))
 
 
-def test_samples_beams_and_shares_equal_the_hosts(on_device, on_host):
+def test_samples_beams_and_shares_agree_with_the_hosts(on_device, on_host):
     ids = _prompt(B + 3, 11)
+    greedy = _one(on_host, _request(ids, 8))[1]
     beams = GenerationRequest(prompt_token_ids=ids, max_new_tokens=8, ignore_eos=True, beams=BeamSearch(4))
-    assert _one(on_device, beams)[0] == _one(on_host, beams)[0]
+    _assert_same_or_near_tie(_one(on_device, beams)[0], _one(on_host, beams)[0], greedy)
     samples = _request(ids, 6, n=3)
-    device_tokens = _one(on_device, samples)[0]
-    assert device_tokens == _one(on_host, samples)[0]
+    _assert_same_or_near_tie(_one(on_device, samples)[0], _one(on_host, samples)[0], greedy)
     within = on_device.session.device.copied.bytes["within"]
     assert within > 0, "forks and reorders copy on the device"
 
