@@ -98,3 +98,14 @@ def test_the_locks_are_written_by_the_uv_that_installs_them():
     script = (ROOT / "scripts" / "lock.sh").read_text()
     written_by = next(line.split('"')[1] for line in script.splitlines() if line.startswith("uv_version="))
     assert pinned(DEV_LOCK)["uv"] == written_by
+
+
+def test_the_gpu_image_carries_the_cuda_headers_cupy_compiles_with():
+    """CuPy compiles its kernels at run time (NVRTC) and needs the CUDA runtime's headers, which
+    NVIDIA's -runtime base image lacks: the gpu lock carries them as wheels of the same CUDA major
+    as CuPy's build (cupy-cuda13x) and onnxruntime-gpu's (CUDA 13)."""
+    pins = pinned(ROOT / "requirements" / "gpu.txt", environment("3.11"))
+    cuda_major = next(name for name in pins if name.startswith("cupy-cuda")).removeprefix("cupy-cuda").removesuffix("x")
+    for headers in ("nvidia-cuda-runtime", "nvidia-cuda-crt"):
+        assert headers in pins, f"requirements/gpu.txt has no {headers}: CuPy could not compile a kernel"
+        assert pins[headers].split(".")[0] == cuda_major, (headers, pins[headers], cuda_major)
