@@ -41,8 +41,8 @@ class Counting:
 
 
 class Event:
-    def __init__(self, log: Counting, stream: Stream) -> None:
-        self.id, self.stream, self._log = next(_ids), stream, log
+    def __init__(self, log: Counting, stream: Stream | None = None, block: bool = False) -> None:
+        self.id, self.stream, self._log, self.block = next(_ids), stream, log, block
         self.done = False
         """Set by a test to say the device got past it."""
 
@@ -57,8 +57,9 @@ class Stream:
         self._log, self.ptr = log, next(_ids)
         self.name = f"stream{self.ptr}"
 
-    def record(self) -> Event:
-        event = Event(self._log, self)
+    def record(self, event: Event | None = None) -> Event:
+        event = event or Event(self._log)
+        event.stream = self
         self._log.add("record", self, event.id)
         return event
 
@@ -81,13 +82,8 @@ class Device:
     def __init__(self, log: Counting, index: int) -> None:
         self._log, self.index = log, index
 
-    def __enter__(self) -> Device:
-        self._saved = getattr(self._log.local, "device", None)
+    def use(self) -> None:
         self._log.local.device = self.index
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._log.local.device = self._saved
 
 
 class _Pointer:
@@ -144,6 +140,10 @@ class CountingCupy:
             @staticmethod
             def Stream(non_blocking: bool = False) -> Stream:  # noqa: N802
                 return Stream(log, non_blocking)
+
+            @staticmethod
+            def Event(block: bool = False, disable_timing: bool = False) -> Event:  # noqa: N802
+                return Event(log, block=block)
 
             @staticmethod
             def alloc_pinned_memory(size: int) -> bytearray:

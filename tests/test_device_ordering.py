@@ -25,6 +25,7 @@ from services.runtime.device_budget import DeviceBudget
 from services.runtime.kv_layout import KVLayout
 from services.runtime.model_spec import load_model_spec
 from services.runtime.onnx_decoder import DecoderSession, open_session
+from services.runtime.ort import onnxruntime as ort
 from services.runtime.slots import SharedSlots
 
 B = 8
@@ -120,6 +121,7 @@ def test_pinned_staging_is_made_with_its_device_current_on_any_thread(cupy):
     thread.join()
     pinned = [op for op in cupy.log.ops if op.what == "pinned"]
     assert pinned and all(op.device == 1 for op in pinned), "a context on device 0 would be made otherwise"
+    assert all(op.device == 1 for op in cupy.log.ops if op.thread == "kv-read-test"), "nor made current after"
     np.testing.assert_array_equal(np.asarray(target), [[1, 1, 0, 0], [1, 1, 0, 0]])
 
 
@@ -147,6 +149,8 @@ def test_each_session_gets_its_arena_share_and_the_heuristic_convolution_search(
     assert options["cudnn_conv_algo_search"] == "HEURISTIC", "EXHAUSTIVE benchmarks on a request's path"
 
 
+@pytest.mark.skipif("CUDAExecutionProvider" in ort.get_available_providers(),
+                    reason="this ONNX Runtime has a CUDA provider, which would be handed the stand-in's stream")
 def test_a_cuda_session_that_onnx_runtime_would_put_on_the_cpu_is_refused_in_one_line(tiny, cupy):
     device = CudaArrays(0, BUDGET, cupy_module=cupy)
     with pytest.raises(StartupError) as refused:
@@ -179,3 +183,36 @@ def test_a_bank_whose_device_operations_fail_stops_the_start_with_the_reason(ban
     with pytest.raises(StartupError, match="nvidia-cuda-runtime"):
         bank.warm_up()
     assert bank.free == 2
+
+
+def test_a_copy_out_is_waited_for_on_a_write_thread_with_its_device_current_and_a_blocking_event(cupy):
+    device = CudaArrays(1, BUDGET, cupy_module=cupy)
+    source = device.zeros([2, 3, 4], np.float16)
+    copy = device.copy_out(source, (slice(None), 1))
+    thread = threading.Thread(target=copy.result, name="kv-write-test")
+    thread.start()
+    thread.join()
+    waited, = [op for op in cupy.log.ops if op.thread == "kv-write-test"]
+    assert waited.what == "synchronize" and waited.device == 1 and waited.stream == device.stream.name
+    assert copy._wait is None and copy.result().shape == (2, 4)
+
+
+def test_a_block_that_arrives_after_begin_is_not_copied(bank, cupy):
+    slot = bank.acquire(40)
+    receive = bank.receiver(slot)
+    blocks = _blocks(bank, 2)
+    bank.begin(slot, blocks[:1], B)
+    before = len(cupy.log.ops)
+    assert receive(1, blocks[1], slice(None)) is False
+    assert not [op for op in cupy.log.ops[before:] if op.what == "h2d"], "the row is the runs' once it began"
+
+
+def test_the_encoders_first_run_at_start_is_not_counted(tmp_path):
+    from services.modelbuild.folder import write_encoder_decoder_folder
+    from services.runtime.onnx_encoder import EncoderSession
+
+    spec = load_model_spec(write_encoder_decoder_folder(tmp_path / "encdec", "tiny"))
+    decoder = DecoderSession(spec, "cpu")
+    encoder = EncoderSession(spec, decoder.device)
+    encoder.warm_up()
+    assert encoder.runs == 0

@@ -64,8 +64,11 @@ class ModelRunner:
         if not session.on_host:
             started = time.perf_counter()
             self.slots.warm_up()
-            log.info("K/V slots on %s: every device operation ran once (kernels compiled) in %.2f s",
-                     session.device_name, time.perf_counter() - started)
+            if encoder is not None:
+                encoder.warm_up()
+            log.info("on %s: every device operation of the K/V slots%s ran once (kernels compiled) in %.2f s",
+                     session.device_name, " and the encoder" if encoder is not None else "",
+                     time.perf_counter() - started)
         self.kv = kv
         self.pace = pace
         """Measured prefill cost, observed after every chunk (how long computing a run would take)."""

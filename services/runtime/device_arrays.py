@@ -54,6 +54,11 @@ class CopyCounter:
         with self._lock:
             self.bytes[direction] += nbytes
 
+    def restore(self, counts: dict[str, int]) -> None:
+        """Sets the counts back to ``counts`` (a copy of ``bytes`` taken earlier)."""
+        with self._lock:
+            self.bytes.update(counts)
+
 
 class HostCopy:
     """A copy out of the slots on its way to host memory; ``result()`` waits for it (on CUDA, for
@@ -183,11 +188,11 @@ class CudaArrays:
         self.budget = budget
         self.copied = CopyCounter()
         self._device = cupy.cuda.Device(index)
-        with self._device:
-            # Non-blocking, as ORT's own would be: ordered only against itself, not the legacy stream.
-            self.stream = cupy.cuda.Stream(non_blocking=True)
-            self.fetch_stream = cupy.cuda.Stream(non_blocking=True)
-            cupy.get_default_memory_pool().set_limit(size=budget.bank)
+        self._device.use()
+        # Non-blocking, as ORT's own would be: ordered only against itself, not the legacy stream.
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.fetch_stream = cupy.cuda.Stream(non_blocking=True)
+        cupy.get_default_memory_pool().set_limit(size=budget.bank)
         self.default_kv_cache_bytes = budget.slot_default
         self._staged: list[tuple[Any, np.ndarray]] = []
         self._staged_lock = threading.Lock()
@@ -206,14 +211,22 @@ class CudaArrays:
     def unavailable(self, got: str) -> str:
         """One line for a session that ONNX Runtime put on ``got`` instead of its CUDA provider."""
         missing = missing_cuda_libraries()
-        why = (f"{', '.join(missing)} cannot be loaded (install onnxruntime-gpu's cuda and cudnn extras, or "
-               "CUDA 13's runtime, cuBLAS, cuRAND and cuFFT and cuDNN 9 on the library path)" if missing else
+        why = (f"{', '.join(missing)} cannot be loaded (install onnxruntime-gpu's cuda extra or CUDA 13's runtime, "
+               "cuBLAS and cuRAND on the library path, and an NVIDIA driver)" if missing else
                "the libraries it needs load, so ONNX Runtime's own log line above names the cause")
+        if on_demand := missing_cuda_libraries(ON_DEMAND_CUDA_LIBRARIES):
+            why += f"; {', '.join(on_demand)}, which its convolutions and FFTs open, cannot be loaded either"
         return f"ONNX Runtime could not create its CUDA provider on cuda:{self.index} and would run on {got}: {why}"
 
     def scope(self) -> _Scope:
         """This device and the compute stream current on this thread: CuPy work inside is ordered with the runs."""
         return _Scope(self._device, self.stream)
+
+    def _wait(self, done: Any) -> None:
+        """Waits on the host for event ``done``, on any thread: with this device current first
+        (a thread's first CUDA call would otherwise make a context on device 0)."""
+        self._device.use()
+        done.synchronize()
 
     def zeros(self, shape: list[int], dtype: np.dtype) -> Any:
         with self.scope():
@@ -237,16 +250,16 @@ class CudaArrays:
     def join(self, fetch: Fetch | None) -> None:
         """The compute stream waits (on the device) for every copy ``fetch`` enqueued."""
         if fetch is not None and fetch.started:
-            with self._device:
-                self.stream.wait_event(self.fetch_stream.record())
+            self._device.use()
+            self.stream.wait_event(self.fetch_stream.record())
 
     def _pinned(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
         """Page-locked host memory; with this device current, so a read thread makes no context on
         device 0 (CUDA's default on a new thread)."""
         dtype = np.dtype(dtype)
         count = int(np.prod(shape))
-        with self._device:
-            memory = self.xp.cuda.alloc_pinned_memory(max(1, count * dtype.itemsize))
+        self._device.use()
+        memory = self.xp.cuda.alloc_pinned_memory(max(1, count * dtype.itemsize))
         return np.frombuffer(memory, dtype, count).reshape(shape)
 
     def _keep(self, done: Any, staging: np.ndarray) -> None:
@@ -279,9 +292,10 @@ class CudaArrays:
             gathered = self.xp.ascontiguousarray(array[key])
             host = self._pinned(gathered.shape, gathered.dtype)
             gathered.get(stream=self.stream, out=host, blocking=False)
-            done = self.stream.record()
+            # A write thread waits on it: blocking, so that it sleeps instead of spinning a core.
+            done = self.stream.record(self.xp.cuda.Event(block=True, disable_timing=True))
         self.copied.add("out", host.nbytes)
-        return HostCopy(host, done.synchronize)
+        return HostCopy(host, lambda: self._wait(done))
 
     def copy_within(self, array: Any, dest: tuple, src: tuple) -> None:
         with self.scope():
@@ -299,18 +313,20 @@ class CudaArrays:
 
 
 class _Scope:
-    """The device and stream current on this thread for the duration (CuPy's are thread-local)."""
+    """The device made current on this thread for good, and the stream for the duration (CuPy's
+    are thread-local). The device is not restored on exit: CuPy's ``Device.__exit__`` would set
+    the thread's previous device, device 0 on a new thread, and since CUDA 12 setting a device
+    makes its context, so a worker on ``cuda:N`` would hold a context on device 0 too."""
 
     def __init__(self, device: Any, stream: Any) -> None:
         self._device, self._stream = device, stream
 
     def __enter__(self) -> None:
-        self._device.__enter__()
+        self._device.use()
         self._stream.__enter__()
 
     def __exit__(self, *exc: object) -> None:
         self._stream.__exit__(*exc)
-        self._device.__exit__(*exc)
 
 
 ArrayDevice = HostArrays | CudaArrays
@@ -341,15 +357,17 @@ def cuda_problem(index: int) -> str | None:
     return None
 
 
-CUDA_LIBRARIES = ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libcufft.so.12",
-                  "libcudnn.so.9")
-"""What the CUDA provider of onnxruntime-gpu 1.31 (built for CUDA 13 and cuDNN 9) loads."""
+CUDA_LIBRARIES = ("libcuda.so.1", "libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10")
+"""What the CUDA provider of onnxruntime-gpu 1.31 (built for CUDA 13) needs to load at all (its
+library's NEEDED entries). cuDNN 9 and cuFFT it opens on demand: ``ON_DEMAND_CUDA_LIBRARIES``."""
+ON_DEMAND_CUDA_LIBRARIES = ("libcudnn.so.9", "libcufft.so.12")
+"""Opened by the CUDA provider at its first convolution (cuDNN) or FFT (cuFFT): Whisper's encoder."""
 
 
-def missing_cuda_libraries() -> list[str]:
-    """Those of ``CUDA_LIBRARIES`` the dynamic loader cannot load here."""
+def missing_cuda_libraries(names: tuple[str, ...] = CUDA_LIBRARIES) -> list[str]:
+    """Those of ``names`` the dynamic loader cannot load here."""
     missing = []
-    for name in CUDA_LIBRARIES:
+    for name in names:
         try:
             ctypes.CDLL(name)
         except OSError:
@@ -378,7 +396,7 @@ def open_device(choice: DeviceChoice) -> ArrayDevice:
 
     with _opened_lock:
         if choice.index not in _opened:
-            with cupy.cuda.Device(choice.index):
-                free, _total = cupy.cuda.runtime.memGetInfo()
+            cupy.cuda.Device(choice.index).use()
+            free, _total = cupy.cuda.runtime.memGetInfo()
             _opened[choice.index] = CudaArrays(choice.index, DeviceBudget.split(free))
         return _opened[choice.index]

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from services.errors import InvalidRequest, ModelLoadError
+from services.errors import InvalidRequest, ModelLoadError, StartupError
 from services.runtime.device_arrays import ArrayDevice
 from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_decoder import input_dtypes, model_graphs, open_session
@@ -49,6 +49,18 @@ class EncoderSession:
                 want is not None and want != got for want, got in zip(self.input_shape, array.shape, strict=True)):
             wanted = ", ".join("*" if d is None else str(d) for d in self.input_shape)
             raise InvalidRequest(field, f"shape {list(array.shape)} given, the encoder takes [{wanted}]")
+
+    def warm_up(self) -> None:
+        """Runs the encoder once on zeros (not counted in ``runs``): on CUDA its first convolution
+        opens cuDNN and picks its algorithms, so a machine without cuDNN stops the worker at start
+        (StartupError, with the reason) instead of failing the first request with audio."""
+        zeros = np.zeros([d or 1 for d in self.input_shape], dtype=self.input_dtype)
+        try:
+            self._session.run(self._outputs, {self.spec.input_name: zeros})
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the worker cannot serve: say why, at start
+            raise StartupError(f"{self.spec.onnx_path}: a first run of the encoder failed ({type(exc).__name__}: "
+                               f"{exc}); on CUDA its convolutions need cuDNN 9 (libcudnn.so.9: the CUDA image has it, "
+                               "else install onnxruntime-gpu's cudnn extra)") from exc
 
     def run(self, array: np.ndarray) -> np.ndarray:
         """The cross K/V for ``array`` (already checked), canonical and on the host."""

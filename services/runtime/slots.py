@@ -68,8 +68,8 @@ class Slot:
     length: int = 0
     cache: KVCache | None = None
     """``SequenceSlots`` only: the sequence's own cache."""
-    released: bool = False
-    """Given back to the bank; a ``receiver`` copies nothing more into it."""
+    fetching: bool = False
+    """A ``receiver`` may copy into it: from ``receiver`` until ``begin`` or ``release``."""
     ready: Any = None
     """``SharedSlots`` on a device: the compute stream's mark when the slot was handed out."""
     fetch: Any = None
@@ -94,7 +94,7 @@ class _Bank:
         return Slot(heapq.heappop(self._free), capacity)
 
     def release(self, slot: Slot) -> None:
-        slot.released = True
+        slot.fetching = False
         heapq.heappush(self._free, slot.index)
 
     def receiver(self, slot: Slot) -> BlockReceiver | None:
@@ -164,30 +164,34 @@ class SharedSlots(_Bank):
         CuPy compiles each kernel (NVRTC) on its first use with a dtype and rank, so a machine that
         cannot compile them stops the worker here with the reason (StartupError), not in a request,
         and no request pays for compiling. The bank, its lengths and its copy counts are as they were."""
-        assert self.max_seq >= 4 and self.free == self.max_batch, "a bank of at least 4 positions, before serving"
+        assert self.max_seq >= 6 and self.free == self.max_batch, "a bank of at least 6 positions, before serving"
         counted = dict(self.device.copied.bytes)
-        rows = [self.acquire(4) for _ in range(min(2, self.max_batch))]
+        rows = [self.acquire(6) for _ in range(min(2, self.max_batch))]
         first, last = rows[0], rows[-1]
         try:
+            # One token over nothing and two over a past: CuPy reduces a [1, 1] mask to rank 1.
+            self.prefill(first, [0])
             self.prefill(first, [0, 0])
             self.decode(rows[:1], [0])
             block = self.canonical(first, 0, 1).result()
             if len(rows) > 1:
                 self.fork(first, rows[1:])
                 self.decode(rows, [0, 0])
-                self.reorder(rows, np.array([1, 0]), 3)
+                # Rows swapped, and one row moved (its index arrays broadcast to rank 1).
+                self.reorder(rows, np.array([1, 0]), 4)
+                self.reorder(rows, np.array([0, 0]), 4)
             self.receiver(last)(1, block, slice(None))
             self.begin(last, [block], 1)
         except Exception as exc:  # noqa: BLE001 - whatever failed, the worker cannot serve: say why, at start
             raise StartupError(
                 f"the K/V slots on {self.session.device_name} failed a first run of their device operations "
-                f"({type(exc).__name__}: {exc}); on CUDA, CuPy compiles its kernels with NVRTC, which needs the CUDA "
-                "runtime headers: kvshare[gpu] installs them (nvidia-cuda-runtime, nvidia-cuda-crt), or set "
-                "CUDA_PATH to a CUDA toolkit") from exc
+                f"({type(exc).__name__}: {exc}); on CUDA, CuPy compiles its kernels with NVRTC (libnvrtc.so.13: the "
+                "CUDA image has it, else install nvidia-cuda-nvrtc), which needs the CUDA runtime headers: "
+                "kvshare[gpu] installs them (nvidia-cuda-runtime), or set CUDA_PATH to a CUDA toolkit") from exc
         finally:
             for slot in rows:
                 self.release(slot)
-            self.device.copied.bytes.update(counted)
+            self.device.copied.restore(counted)
 
     def receiver(self, slot: Slot) -> BlockReceiver:
         """Copies fetched block ``i`` (canonical ``layers``, any storage dtype) into the slot's
@@ -195,14 +199,14 @@ class SharedSlots(_Bank):
         may write the row's position 0 until ``begin``, so it is kept (returns True) and copied by
         ``begin`` alone: every cached byte crosses once."""
         lock, row = self._row_locks[slot.index], self._kv[:, :, slot.index]
-        slot.fetch = self.device.fetch(slot.ready)
+        slot.fetch, slot.fetching = self.device.fetch(slot.ready), True
 
         def receive(i: int, block: np.ndarray, layers: slice) -> bool:
             if i == 0:
                 return True
             n = block.shape[3]
             with lock:
-                if not slot.released:
+                if slot.fetching:
                     self.device.copy_in(row[layers, :, :, i * n : (i + 1) * n], block, slot.fetch)
             return False
 
@@ -233,6 +237,8 @@ class SharedSlots(_Bank):
         """Fills the slot with the first ``tokens`` tokens of cached ``blocks`` and ``windows``
         (those a ``receiver`` did not copy: block 0 of a streamed fetch, every block otherwise)."""
         assert cross_kv is None, "encoder-decoder models use SequenceSlots"
+        with self._row_locks[slot.index]:
+            slot.fetching = False  # a late block of the lookup must not land beside the runs
         self.device.join(slot.fetch)
         slot.fetch = None
         self._blocks_into(slot, 0, blocks, tokens, windows)
