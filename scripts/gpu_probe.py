@@ -82,7 +82,7 @@ def cuda_session() -> dict:
     CUDA's pip libraries preloaded by ``cuda_problem``)."""
     import numpy as np
 
-    from services.runtime.device_arrays import cuda_problem, missing_cuda_libraries
+    from services.runtime.device_arrays import cuda_problem, cuda_provider_failure
     from services.runtime.ort import onnxruntime as ort
 
     if problem := cuda_problem(0):
@@ -93,9 +93,7 @@ def cuda_session() -> dict:
     except Exception as exc:  # noqa: BLE001 - ONNX Runtime raises its own pybind types
         raise Problem(f"ONNX Runtime cannot run a session on CUDA: {one_line(exc)}") from None
     if (provider := session.get_providers()[0]) != "CUDAExecutionProvider":
-        missing = missing_cuda_libraries()
-        raise Problem(f"ONNX Runtime made its session on {provider}, not CUDA: "
-                      + (f"{', '.join(missing)} cannot be loaded" if missing else "its log above says why"))
+        raise Problem(f"ONNX Runtime made its session on {provider}, not CUDA: {cuda_provider_failure()}")
     if got.tolist() != [[float(i + 1) for i in range(8)]]:
         raise Problem(f"ONNX Runtime's CUDA session computed {got.tolist()} for arange(8) + 1")
     return {"providers": session.get_providers()}

@@ -210,13 +210,8 @@ class CudaArrays:
 
     def unavailable(self, got: str) -> str:
         """One line for a session that ONNX Runtime put on ``got`` instead of its CUDA provider."""
-        missing = missing_cuda_libraries()
-        why = (f"{', '.join(missing)} cannot be loaded (install onnxruntime-gpu's cuda extra or CUDA 13's runtime, "
-               "cuBLAS and cuRAND on the library path, and an NVIDIA driver)" if missing else
-               "the libraries it needs load, so ONNX Runtime's own log line above names the cause")
-        if on_demand := missing_cuda_libraries(ON_DEMAND_CUDA_LIBRARIES):
-            why += f"; {', '.join(on_demand)}, which its convolutions and FFTs open, cannot be loaded either"
-        return f"ONNX Runtime could not create its CUDA provider on cuda:{self.index} and would run on {got}: {why}"
+        return f"ONNX Runtime could not create its CUDA provider on cuda:{self.index} and would run on {got}: " + \
+            cuda_provider_failure()
 
     def scope(self) -> _Scope:
         """This device and the compute stream current on this thread: CuPy work inside is ordered with the runs."""
@@ -373,6 +368,17 @@ def missing_cuda_libraries(names: tuple[str, ...] = CUDA_LIBRARIES) -> list[str]
         except OSError:
             missing.append(name)
     return missing
+
+
+def cuda_provider_failure() -> str:
+    """Why ONNX Runtime's CUDA provider could not be created here, as far as the loader tells."""
+    missing = missing_cuda_libraries()
+    why = (f"{', '.join(missing)} cannot be loaded (install onnxruntime-gpu's cuda extra or CUDA 13's runtime, "
+           "cuBLAS and cuRAND on the library path, and an NVIDIA driver)" if missing else
+           "the libraries it needs load, so ONNX Runtime's own log line above names the cause")
+    if on_demand := missing_cuda_libraries(ON_DEMAND_CUDA_LIBRARIES):
+        why += f"; {', '.join(on_demand)}, which its convolutions and FFTs open, cannot be loaded either"
+    return why
 
 
 _opened: dict[int, CudaArrays] = {}

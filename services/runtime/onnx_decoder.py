@@ -105,8 +105,8 @@ def open_session(path: Path, device: ArrayDevice, intra_op_threads: int, intra_o
     arena = 0
     if on_device:
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-        graphs = list(model_graphs) or [path]
-        arena = device.budget.arena(weight_bytes(path), sum(weight_bytes(graph) for graph in graphs))
+        weights = {graph: weight_bytes(graph) for graph in (model_graphs or [path])}
+        arena = device.budget.arena(weights[path], sum(weights.values()))
     try:
         session = ort.InferenceSession(str(path), sess_options=options, providers=device.session_providers(arena),
                                        enable_fallback=0)
