@@ -62,16 +62,17 @@ def cupy_kernel() -> dict:
     return {"cupy": cupy.__version__, "kernel": got.tolist()}
 
 
-def add_one_model() -> bytes:
-    """``y = x + 1`` over float16 ``[1, 8]``."""
+def add_one_model(width: int = 8) -> bytes:
+    """``y = x + 1`` over float16 ``[1, width]`` (tests/gpu/test_cuda_binding.py binds rows of it)."""
     import numpy as np
-    from onnx import TensorProto, helper
+    from onnx import TensorProto, helper, numpy_helper
 
     graph = helper.make_graph(
         [helper.make_node("Add", ["x", "one"], ["y"])], "add_one",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, 8])],
-        [helper.make_tensor("one", TensorProto.FLOAT16, [1], np.ones(1, np.float16).view(np.uint16).tolist())])
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, width])],
+        # From the array: make_tensor would take float16 bit patterns as values (1.0 became 15360).
+        [numpy_helper.from_array(np.ones(1, np.float16), "one")])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return model.SerializeToString()

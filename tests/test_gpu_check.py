@@ -157,3 +157,17 @@ def test_stage_2_installs_a_redis_server_that_runs(checkout, tmp_path):
     assert "dry run: stage bench is installed" in output
     version = check([str(tmp_path / "bench" / "bin" / "redis-server"), "--version"], repo, env)
     assert version.startswith("Redis server v=6.2.5"), version
+
+
+def test_the_probes_graph_adds_one():
+    """The probe's and tests/gpu's ``y = x + 1`` graph, on the CPU: its constant is 1.0, not 1.0's
+    float16 bit pattern (15360), which the probe would report as a broken CUDA session."""
+    import numpy as np
+    import onnxruntime as ort
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from gpu_probe import add_one_model
+
+    session = ort.InferenceSession(add_one_model(4), providers=["CPUExecutionProvider"])
+    x = np.arange(4, dtype=np.float16).reshape(1, 4)
+    np.testing.assert_array_equal(session.run(None, {"x": x})[0], x + 1)

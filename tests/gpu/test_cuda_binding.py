@@ -4,9 +4,14 @@ byte offset), with no copy through the host and nothing outside the bound bytes 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import onnx
-from onnx import TensorProto, helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from gpu_probe import add_one_model  # noqa: E402 - the probe's own graph
 
 ROWS, WIDTH = 3, 8
 
@@ -15,15 +20,9 @@ def add_one_session():
     """A CUDA session of ``y = x + 1`` over float16 ``[1, WIDTH]``."""
     import onnxruntime as ort
 
-    graph = helper.make_graph(
-        [helper.make_node("Add", ["x", "one"], ["y"])], "add_one",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT16, [1, WIDTH])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT16, [1, WIDTH])],
-        [helper.make_tensor("one", TensorProto.FLOAT16, [1], np.ones(1, np.float16).view(np.uint16).tolist())])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    onnx.checker.check_model(model)
-    session = ort.InferenceSession(model.SerializeToString(), providers=["CUDAExecutionProvider"])
+    model = add_one_model(WIDTH)
+    onnx.checker.check_model(onnx.load_from_string(model))
+    session = ort.InferenceSession(model, providers=["CUDAExecutionProvider"])
     assert session.get_providers()[0] == "CUDAExecutionProvider", session.get_providers()
     return session
 
