@@ -187,6 +187,7 @@ class Engine:
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
         self.scheduler = Scheduler(self.runner, self.connector.scheduler_side, scheduling, self._read_pool)
         self._off_loop = OffLoop(options.tokenizer_threads)
+        self._warming: threading.Thread | None = None
         self._audio_loop = BoundedOffLoop(options.audio_threads, options.max_audio_requests,
                                           f"requests with audio (--max-audio-requests {options.max_audio_requests}) are")
         self.limits = limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
@@ -278,11 +279,16 @@ class Engine:
             log.info("warm-up: %s, %.0f MB of slot memory faulted in (--prefault-tokens %d) in %.2f s", store,
                      faulted / 1e6, prefault_tokens, time.perf_counter() - started)
 
-        thread = threading.Thread(target=run, name="warm-up", daemon=True)
-        thread.start()
-        return thread
+        self._warming = threading.Thread(target=run, name="warm-up", daemon=True)
+        self._warming.start()
+        return self._warming
 
     def close(self) -> None:
+        # A warm-up still running ONNX Runtime when the interpreter finalizes aborts the process
+        # (its thread is ended inside a C++ frame): a worker that stops at once, e.g. on a taken
+        # port, exited -6 instead of 2 about one time in eight.
+        if self._warming is not None:
+            self._warming.join()
         self.waits.close()
         self.scheduler.close()
         self._read_pool.shutdown(wait=True)
