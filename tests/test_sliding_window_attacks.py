@@ -249,7 +249,10 @@ def test_blocks_taken_on_a_trail_fill_the_windows_they_bring_and_no_row_copies_t
     client = redis.Redis.from_url(redis_url)
     engine = batching_engine(window_model, open_store(redis_url, store_options(), CacheStats()), cache_dtype="float32",
                              max_prefill_tokens_per_step=32, max_unread_tokens=2,
-                             leases=LeaseOptions(wait_factor=1, first_ms_per_token=1))
+                             # A look for the holder's blocks is given up after 4 x poll_ms: at the
+                             # default 10 ms a loaded machine gave it up, computed a second chunk
+                             # and adopted a block less (CI); a second is no machine's pace.
+                             leases=LeaseOptions(wait_factor=1, first_ms_per_token=1, poll_ms=1000))
     ids = prompt(24 * B + 8, seed=34)
     other = ids[: 23 * B] + prompt(5, seed=35)
     try:
