@@ -5,8 +5,8 @@ Invariants (docs/design.md, 1-2):
   canonical encoding (token ids as little-endian int32). A block's hash therefore names the whole
   prefix up to and including that block, not only the block's own tokens.
 - The namespace holds everything the tensor depends on besides the tokens: the format version,
-  the model fingerprint, the block size, the stored dtype and layout, the authenticated tenant and
-  the request's salt. Two requests share a block only when all of these are equal.
+  the model fingerprint, the block size, the stored dtype and layout, the authenticated tenant,
+  the request's salt and, for models answered bit for bit, the numerics fingerprint. Two requests share a block only when all of these are equal.
 - With a namespace secret, ``h_0`` is keyed BLAKE2b under it: without the secret nobody can compute
   a key from the model and the tokenizer (both public through the API), so nobody can plant a
   value where a victim's prompt will look, nor test whether a prompt is cached by reading Redis.
@@ -45,6 +45,10 @@ class Namespace:
     """The caller's authenticated tenant id (empty without API keys): tenants never share blocks."""
     extra: str = ""
     """Further inputs the K/V depends on, e.g. the encoder-input hash of an encoder-decoder model."""
+    numerics: str = ""
+    """What the K/V's bits depend on besides the model where replicas must agree bit for bit (the
+    runtime, the CPU's kernels, the threads: ``numerics_probe``); empty where they may differ
+    within a tolerance."""
     format_version: int = KEY_FORMAT_VERSION
     secret: bytes = field(default=b"", repr=False)
     """The fleet's namespace secret (empty: none); keys the hash, never part of the hashed text."""

@@ -85,17 +85,18 @@ class KVGeometry:
 
     def window_floor(self, window_from: int, block_size: int) -> int:
         """The fewest tokens of a sequence whose windowed layers hold K/V from block
-        ``window_from`` on that another may copy and continue from: it reads ``window - 1``
-        positions before its own. 0 when every position is held."""
-        return window_from * block_size + self.window - 1 if window_from and self.window_layers else 0
+        ``window_from`` on that another may copy and continue from: it reads ``window``
+        positions before its own (``window - 1``, and one more for a first run that begins a
+        position early to avoid a length that rounds apart). 0 when every position is held."""
+        return window_from * block_size + self.window if window_from and self.window_layers else 0
 
     def window_blocks(self, run: int, block_size: int, prompt_tokens: int, first: int = 0) -> range:
         """The blocks whose windowed layers a prompt of ``prompt_tokens`` tokens reads when its
         first ``run`` blocks are cached: it continues from c = min(run x block, prompt - 1) (the
-        last prompt token always runs), so those holding positions ``c - window + 1 .. c - 1``,
-        none before block ``first``."""
+        last prompt token always runs), so those holding positions ``c - window .. c - 1`` (its
+        first run may begin at c - 1, which reads back to c - window), none before block ``first``."""
         cached = min(run * block_size, prompt_tokens - 1)
-        return range(max(first, (cached - self.window + 1) // block_size), -(-cached // block_size))
+        return range(max(first, (cached - self.window) // block_size), -(-cached // block_size))
 
 
 @dataclass(slots=True)

@@ -62,6 +62,7 @@ from services.runtime.model_spec import ModelSpec, load_model_spec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
 from services.runtime.slots import batches_rows
+from services.runtime.split_rule import EVERY_RUN
 from services.runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -166,6 +167,9 @@ class Engine:
         """Called on the event loop once per request that ends."""
         pace = PrefillPace(options.leases.first_ms_per_token)
         shared_rows = batches_rows(session)  # the slots order layers as the store's groups
+        # Bit for bit where activations are rounded to int8 (float rounding is within tolerance
+        # otherwise, and such K/V may be shared between unlike CPUs).
+        numerics = session.numerics if spec.quantized_activations else None
         self.connector = KVConnector(spec, session.kv_dtype, session.cross_heads,
                                      storage_dtype(resolve(options.cache_dtype, session.kv_dtype,
                                                            spec.quantized_activations)),
@@ -176,14 +180,18 @@ class Engine:
                                          max_pending_publishes=options.max_pending_publishes,
                                          max_pending_publish_bytes=options.max_pending_publish_bytes,
                                          leases=options.leases, chunk_tokens=scheduling.max_prefill_tokens_per_step,
-                                         prefix_fetch=options.prefix_fetch),
+                                         prefix_fetch=options.prefix_fetch,
+                                         numerics=numerics.fingerprint if numerics else "",
+                                         shares=numerics is None or numerics.exact),
                                      pace, on_device=not session.on_host,
                                      layer_order=spec.layer_order if shared_rows else tuple(range(spec.num_layers)),
                                      split_windows=(options.window_fetch and shared_rows
                                                     and spec.windows.window >= options.block_size))
         shares = ClientShares(scheduling.max_client_rows)
         self.runner = ModelRunner(session, encoder, scheduling.max_batch, spec.context_length,
-                                  self.connector.worker_side, pace, shares)
+                                  self.connector.worker_side, pace, shares,
+                                  session.numerics.rule if session.numerics else EVERY_RUN,
+                                  numerics.decode_rule if numerics else EVERY_RUN)
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
         self.scheduler = Scheduler(self.runner, self.connector.scheduler_side, scheduling, self._read_pool)
         self._off_loop = OffLoop(options.tokenizer_threads)
@@ -205,6 +213,11 @@ class Engine:
                  ": the model's matmuls quantize activations" if spec.quantized_activations and
                  self.storage_dtype.itemsize == 4 and options.cache_dtype == "auto" else "",
                  session.kv_dtype.name)
+        if session.numerics is not None:
+            log.log(logging.INFO if session.numerics.exact or numerics is None else logging.WARNING,
+                    "numerics: %s%s", session.numerics.describe(),
+                    "" if numerics is None or numerics.exact else "; this model's answers would depend on what "
+                    "was cached, so this worker neither reads nor publishes K/V")
         if len(spec.layer_groups) > 1:
             self._log_layer_groups()
         if options.prefix_fetch is PrefixFetch.AUTO and not session.on_host:

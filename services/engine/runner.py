@@ -33,6 +33,7 @@ from services.errors import InvalidRequest, NumericalError
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
 from services.runtime.slots import Slot, SlotBank, open_slots
+from services.runtime.split_rule import EVERY_RUN, SplitRule
 
 log = logging.getLogger(__name__)
 
@@ -57,10 +58,14 @@ class KVTransfer(Protocol):
 
 class ModelRunner:
     def __init__(self, session: DecoderSession, encoder: EncoderSession | None, max_batch: int, context_length: int,
-                 kv: KVTransfer, pace: PrefillPace, shares: ClientShares) -> None:
+                 kv: KVTransfer, pace: PrefillPace, shares: ClientShares, prefill_rule: SplitRule = EVERY_RUN,
+                 decode_rule: SplitRule = EVERY_RUN) -> None:
+        """``prefill_rule``: the run lengths no prompt run has (``split_rule``); ``decode_rule``:
+        the row counts no decode run has."""
         self.session = session
         self.encoder = encoder
-        self.slots = open_slots(session, max_batch, context_length)
+        self.prefill_rule = prefill_rule
+        self.slots = open_slots(session, max_batch, context_length, decode_rule)
         if not session.on_host:
             started = time.perf_counter()
             self.slots.warm_up()
@@ -194,11 +199,10 @@ class ModelRunner:
         self._assemble(seq)
         t_run = time.perf_counter()
         start = seq.prefilled
-        chunk = seq.prompt[start : start + n]
         if seq.prompt_logprobs is None:
-            logits = self.slots.prefill(seq.slot, chunk)
+            logits = self.run_prompt(seq.slot, seq.prompt, start, n, False)
         else:
-            positions = self.slots.prefill(seq.slot, chunk, all_positions=True)
+            positions = self.run_prompt(seq.slot, seq.prompt, start, n, True)
             # Position j predicts prompt token start + j + 1; the prompt's last position predicts
             # the first generated token instead.
             predicted = seq.prompt[start + 1 : start + n + 1]
@@ -214,6 +218,19 @@ class ModelRunner:
             self.pace.observe(n, run_ms)
         self.kv.chunk_done(seq, self.slots, n, run_ms, bool(np.isfinite(logits).all()))
         return logits if seq.prefilled == len(seq.prompt) else None
+
+    def run_prompt(self, slot: Slot, prompt: list[int], start: int, n: int, all_positions: bool) -> np.ndarray:
+        """Computes positions ``start .. start + n - 1`` of ``prompt`` into ``slot`` (which holds
+        ``start``) in the runs ``prefill_rule`` allows (one may begin a position early: it is
+        computed again in place): the last position's logits, or with ``all_positions`` those of
+        the n positions."""
+        parts = []
+        for begin, end in self.prefill_rule.runs(start, n):
+            if begin < slot.length:
+                self.slots.rewind(slot, begin)
+            out = self.slots.prefill(slot, prompt[begin:end], all_positions=all_positions)
+            parts.append(out[start - begin :] if all_positions and begin < start else out)
+        return np.concatenate(parts) if all_positions and len(parts) > 1 else parts[-1]
 
     def _sample(self, seqs: list[Sequence], logits: np.ndarray) -> None:
         """Picks each row's token (plain greedy rows in one vectorised arg-max; beams by their

@@ -25,6 +25,7 @@ from services.runtime.device_choice import DeviceChoice
 from services.runtime.kv_cast import cast_into, converted
 from services.runtime.kv_layout import KVLayout
 from services.runtime.model_spec import ModelSpec
+from services.runtime.numerics_probe import probe
 from services.runtime.ort import onnxruntime as ort
 from services.runtime.placement import check_placement
 
@@ -180,6 +181,9 @@ class DecoderSession:
         self.logits_per_position = self.logits_rank == 3 and logits.shape[1] != 1
         self.logits_dtype = np.dtype(_ORT_TYPES[logits.type])
         options = self._session.get_session_options()
+        self.numerics = probe(spec.head_size, options.intra_op_num_threads) if self.on_host else None
+        """Which prefill runs compute a row apart on this CPU (``numerics_probe``); None on a device,
+        whose kernels the probe does not cover."""
         log.info("model %s on %s (kv %s, layout %s, shared past/present buffer: %s; intra-op threads %s, "
                  "spinning %s)", spec.name, self.execution_provider, self.kv_dtype, spec.kv.layout, self.shares_buffer,
                  options.intra_op_num_threads or "ONNX Runtime's choice", intra_op_spinning or threads.default_spinning())

@@ -18,7 +18,10 @@ Invariant of ``SharedSlots.decode``: a run covers rows ``0 .. hi`` where ``hi`` 
 highest row decoding, so rows in that range that are not decoding (free, fetching, prefilling or
 paused) run too. Each such row is fed one dummy token at its first unwritten position (its
 ``length``); it writes K/V only there, which that row's own next run overwrites. Its output is
-ignored. Slots are handed out lowest index first to keep ``hi`` small.
+ignored. Slots are handed out lowest index first to keep ``hi`` small. A run never covers a
+number of rows that the bank's ``decode_rule`` calls lone (``split_rule``: where a matmul computes
+a row alone in its block by a kernel of its own, a decoding row's values would depend on how many
+others decode beside it): it takes one row more, a dummy, where the bank has one.
 
 With sliding-window layers (``ModelSpec.windows``), ``SharedSlots`` keeps its layers in the store's
 canonical order (``ModelSpec.layer_order``: the layers that read every position, then the windowed
@@ -53,6 +56,7 @@ from services.runtime.device_arrays import HostCopy
 from services.runtime.memory import populate
 from services.runtime.onnx_decoder import DecoderSession, KVCache
 from services.runtime.ort import onnxruntime as ort
+from services.runtime.split_rule import EVERY_RUN, SplitRule
 
 BlockReceiver = Callable[[int, np.ndarray, slice], bool]
 """Copies block i (canonical K/V of the layers the slice names) into a slot as a lookup reads it
@@ -124,10 +128,12 @@ class SharedSlots(_Bank):
 
     batched = True
 
-    def __init__(self, session: DecoderSession, max_batch: int, max_seq: int) -> None:
+    def __init__(self, session: DecoderSession, max_batch: int, max_seq: int,
+                 decode_rule: SplitRule = EVERY_RUN) -> None:
         spec = session.spec
         assert session.shares_buffer and spec.encoder is None, "a GQA shared-buffer decoder-only graph"
         super().__init__(session, max_batch, max_seq)
+        self.decode_rule = decode_rule
         self.device = device = session.device
         self._kv = device.zeros([spec.num_layers, 2, max_batch, spec.num_kv_heads, max_seq, spec.head_size],
                                 session.kv_dtype)
@@ -261,6 +267,11 @@ class SharedSlots(_Bank):
         slot.length = length
         self._lengths[slot.index] = length
 
+    def rewind(self, slot: Slot, length: int) -> None:
+        """Forgets the slot's positions from ``length`` on (the next run writes them again)."""
+        assert length <= slot.length, "rewinds only to a position the slot holds"
+        self._set_length(slot, length)
+
     def _bind(self, binding: ort.IOBinding, name: str, array, output: bool = False, first_row: int = 0,
               shape: list[int] | None = None) -> None:
         """Binds ``array`` (in the bank's array module) by pointer, from row ``first_row`` with
@@ -380,6 +391,8 @@ class SharedSlots(_Bank):
         index = np.fromiter((s.index for s in slots), dtype=np.int64, count=len(slots))
         assert all(s.length < s.capacity for s in slots), "decode past a slot's capacity"
         rows = int(index.max()) + 1
+        if self.decode_rule.lone(rows) and rows < self.max_batch:
+            rows += 1
         ids = np.zeros((rows, 1), dtype=np.int64)
         ids[index, 0] = tokens
         binding = self._decode_binding(rows)
@@ -416,6 +429,10 @@ class SequenceSlots(_Bank):
 
     def canonical(self, slot: Slot, start: int, end: int) -> HostCopy:
         return HostCopy(self.session.to_canonical(slot.cache, end)[:, :, :, start:end])
+
+    def rewind(self, slot: Slot, length: int) -> None:
+        assert length <= slot.length, "rewinds only to a position the slot holds"
+        self.share(slot, slot, length)
 
     def append(self, slot: Slot, blocks: Sequence[np.ndarray], tokens: int,
                windows: Sequence[tuple[int, np.ndarray]] = ()) -> None:
@@ -470,8 +487,9 @@ class SequenceSlots(_Bank):
 SlotBank = SharedSlots | SequenceSlots
 
 
-def open_slots(session: DecoderSession, max_batch: int, max_seq: int) -> SlotBank:
-    """The bank that batches this graph best (see the module docstring)."""
+def open_slots(session: DecoderSession, max_batch: int, max_seq: int, decode_rule: SplitRule = EVERY_RUN) -> SlotBank:
+    """The bank that batches this graph best (see the module docstring); ``decode_rule``: the
+    batch sizes a batched decode avoids."""
     if batches_rows(session):
-        return SharedSlots(session, max_batch, max_seq)
+        return SharedSlots(session, max_batch, max_seq, decode_rule)
     return SequenceSlots(session, max_batch, max_seq)

@@ -47,6 +47,11 @@ class ConnectorOptions:
     prefix_fetch: PrefixFetch
     """Whether a prompt's cached run may be computed instead of fetched when that is expected
     faster (``fetch_policy``)."""
+    numerics: str = ""
+    """``Namespace.numerics``: the numerics fingerprint where K/V must match bit for bit."""
+    shares: bool = True
+    """False: no request reads or publishes K/V (a model whose answers would depend on the split
+    between cache and computing on this runtime: ``numerics_probe``)."""
 
 
 class KVConnector:
@@ -113,6 +118,7 @@ class KVConnector:
             salt=salt,
             tenant=tenant,
             extra=encoder_input.hex() if encoder_input else "",
+            numerics=self.options.numerics,
             secret=self.options.namespace_secret,
         )
 
@@ -123,6 +129,8 @@ class KVConnector:
     def states(self, cache: CacheControl, tenant: str, encoder_input: np.ndarray | None, rows: int) -> list[SequenceKV]:
         """The connector's state of each of a request's ``rows`` (its samples or beams): one
         namespace, each row its own lookup, leases and publishes."""
+        if not self.options.shares:
+            cache = replace(cache, skip_read=True, skip_write=True)
         input_hash = None if encoder_input is None else self.encoder_input_hash(cache.salt, encoder_input, tenant)
         namespace = self.namespace(cache.salt, input_hash, tenant)
         return [SequenceKV(namespace, cache, input_hash) for _ in range(rows)]
