@@ -456,8 +456,8 @@ def test_nan_logits_over_cached_kv_drop_it_and_compute_the_prompt_cold(tiny_mode
 
     real_prefill, poisoned = engine.slots.prefill, []
 
-    def prefill(slot, tokens):
-        logits = real_prefill(slot, tokens)
+    def prefill(slot, tokens, all_positions=False):
+        logits = real_prefill(slot, tokens, all_positions)
         if not poisoned:  # the warm request's only chunk: the 5 tokens after the cached blocks
             poisoned.append(len(tokens))
             logits = np.full_like(logits, np.nan)

@@ -6,10 +6,9 @@ not fed back). Turn 2 of a chat sends [system, user, assistant = turn 1's text, 
 chat template, so its prompt starts with turn 1's prompt and answer, and a replica that never saw
 turn 1 finds those blocks in Redis.
 
-That holds for models with float activations (the default SmolLM2 folder here). A model whose
-matmuls quantize their activations (the gguf folder) publishes no answer: its decoded K/V
-differs from a prefill's by more than rounding, so the next turn computes the answer's tokens and
-answers exactly as a cold request.
+A model whose matmuls quantize their activations (the gguf folder) computes its answer again as
+prompt before publishing it: its decoded K/V differs from a prefill's by more than rounding, and
+the recomputed blocks make the next turn answer exactly as a cold request.
 
 Real redis-server, two real `kvshare serve` processes on the SmolLM2 folders, real gRPC, blocks of
 16 tokens. Expected counts are computed from the Tokenize RPC, never guessed. Publishes are awaited
@@ -158,22 +157,28 @@ def test_skip_write_on_turn_one_publishes_nothing_of_the_answer(smollm2, redis_s
         assert done.last.usage.cached_prompt_tokens == len(prompt1) // B * B
 
 
-def test_a_model_that_quantizes_activations_publishes_no_answer_and_turn_two_equals_cold(smollm2_gguf, redis_server,
-                                                                                         redis_url):
-    """The gguf folder (int8 activations): turn 1's answer is not published, so turn 2 on the
-    other replica reads turn 1's prompt blocks only and computes the rest: the same tokens as a
-    cold request (which differed at token 5, a 0.04 margin, when the decoded blocks were reused)."""
-    with replicas(smollm2_gguf, redis_url) as (a, b), redis_server.client() as client:
+def test_a_model_that_quantizes_activations_publishes_its_answer_computed_as_prompt(smollm2_gguf, redis_server,
+                                                                                    redis_url):
+    """The gguf folder (int8 activations): a decode step's row is not a prompt row, so turn 1's
+    answer is computed again as prompt before it is published (reused as decoded, those blocks
+    moved a turn-2 token at a 0.04 margin); turn 2 on the other replica reuses it and answers as a
+    cold request, bit for bit (the same tokens and log-probabilities)."""
+    with replicas(smollm2_gguf, redis_url) as (a, b):
         turn1 = chat(("system", SYSTEM), ("user", QUESTION))
         prompt1 = ids_of(a, turn1)
         answer, text, last, _ = generate(a, turn1, 48)
         assert last.usage.cached_prompt_tokens == 0
-        assert (len(prompt1) + len(answer) - 1) // B > len(prompt1) // B, "the answer would fill a block"
-        after_turn_one(a, client, turn1, len(prompt1), "turn 1's prompt and the sentinel's blocks, no answer")
+        stored = prompt1 + answer[:-1]
+        with redis_server.client() as client:
+            wait_for_keys(client, len(stored) // B, "replica A's prompt and recomputed answer blocks")
 
         turn2 = chat(("system", SYSTEM), ("user", QUESTION), ("assistant", text), ("user", FOLLOW_UP))
-        warm_ids, _, warm_last, _ = generate(b, turn2, 32)
-        assert warm_last.usage.cached_prompt_tokens == len(prompt1) // B * B
-        cold_ids, _, cold_last, _ = generate(b, turn2, 32, skip_read=True, skip_write=True)
+        prompt2 = ids_of(b, turn2)
+        assert common_prefix(prompt1 + answer, prompt2) == len(prompt1 + answer)
+        cached = expected_cached(stored, prompt2)
+        assert cached > len(prompt1), (cached, len(prompt1))
+        warm_ids, _, warm_last, warm_tops = generate(b, turn2, 32)
+        assert warm_last.usage.cached_prompt_tokens == cached
+        cold_ids, _, cold_last, cold_tops = generate(b, turn2, 32, skip_read=True, skip_write=True)
         assert cold_last.usage.cached_prompt_tokens == 0
-        assert warm_ids == cold_ids
+        assert warm_ids == cold_ids and warm_tops == cold_tops

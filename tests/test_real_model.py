@@ -250,21 +250,56 @@ def test_greedy_continuations_follow_llama_cpp(smollm2):
         engine.close()
 
 
+NEAR_TIE = 0.3
+"""tests/test_gemma.py's: two int8 matmul kernels (llama.cpp's and ONNX Runtime's, or ONNX Runtime's
+one-row and many-row ones) put a position's logits about 0.1-0.2 apart, so candidates this close
+are a near-tie either may win."""
+
+
+def _teacher_forced(engine: Engine, prompt: list[int], theirs: list[int]) -> list[tuple[int, float]]:
+    """Feeds llama.cpp's tokens through the engine's slots as a served request runs them (the
+    split rule's prompt runs, decode steps padded as served): (position, our top token's lead
+    over llama.cpp's) wherever our top token is not theirs."""
+    slots, ties = engine.slots, []
+    slot = slots.acquire(len(prompt) + len(theirs) + 1)
+    try:
+        slots.begin(slot, [], 0)
+        logits = engine.runner.run_prompt(slot, prompt, 0, len(prompt), False)
+        for i, token in enumerate(theirs):
+            ours = int(np.argmax(logits))
+            if ours != token:
+                ties.append((i, float(logits[ours] - logits[token])))
+            else:
+                record_margin("SmolLM2 gguf vs llama.cpp, teacher-forced (ours)", logits)
+            logits = slots.decode([slot], [token])[0]
+    finally:
+        slots.release(slot)
+    return ties
+
+
 def test_the_gguf_folder_gives_llama_cpps_greedy_ids_on_every_token(smollm2_gguf):
     """``--weights gguf``: every recorded prompt, every token (32, or up to llama.cpp's EOS), the
-    template's default system message included: the GGUF's own Q4_1/Q8_0 blocks multiplied by
-    activations quantized per block of 32, as llama.cpp does (the fp32 folder followed the bicycle
-    answer for 18 tokens and the default-system-message one for none)."""
+    template's default system message included, fed llama.cpp's tokens (teacher forcing): our top
+    token is llama.cpp's at every position but near-ties within ``NEAR_TIE``, and free running
+    gives llama.cpp's tokens up to the first such position. The GGUF's own Q4_1/Q8_0 blocks are
+    multiplied by activations quantized per block of 32, as llama.cpp does (the fp32 folder
+    followed the bicycle answer for 18 tokens and the default-system-message one for none). Where
+    decode steps run two rows (``split_rule``: CPUs whose int8 kernel has a one-row path, AVX2),
+    one recorded position is such a near-tie (0.17)."""
     engine = load(smollm2_gguf)
     try:
         reference = LLAMA_CPP["greedy"][2]
         request = GenerationRequest(messages=[Message("user", "What is the capital of France?")], max_new_tokens=1)
         assert engine.tokenizer.encode(engine.render_chat(request.messages)) == reference["prompt_ids"]
         for case in LLAMA_CPP["greedy"]:
+            ties = _teacher_forced(engine, case["prompt_ids"], case["greedy_ids"])
+            assert all(gap < NEAR_TIE for _, gap in ties), (case["prompt"], ties)
+            assert len(ties) <= 1, (case["prompt"], ties)
             ignore_eos = case["greedy_ids"][-1] != 2  # llama.cpp stopped at its length, not at EOS
             ours = collect(engine, GenerationRequest(prompt_token_ids=case["prompt_ids"],
                                                      max_new_tokens=len(case["greedy_ids"]), ignore_eos=ignore_eos))[0]
-            assert ours == case["greedy_ids"], case["prompt"]
+            agree = ties[0][0] if ties else len(case["greedy_ids"])
+            assert ours[:agree] == case["greedy_ids"][:agree], case["prompt"]
     finally:
         engine.close()
 

@@ -191,7 +191,7 @@ class Engine:
         self.runner = ModelRunner(session, encoder, scheduling.max_batch, spec.context_length,
                                   self.connector.worker_side, pace, shares,
                                   session.numerics.rule if session.numerics else EVERY_RUN,
-                                  numerics.decode_rule if numerics else EVERY_RUN)
+                                  numerics.decode_rule if numerics else EVERY_RUN, spec.quantized_activations)
         self._read_pool = ThreadPoolExecutor(max_workers=options.store_read_threads, thread_name_prefix="kv-read")
         self.scheduler = Scheduler(self.runner, self.connector.scheduler_side, scheduling, self._read_pool)
         self._off_loop = OffLoop(options.tokenizer_threads)

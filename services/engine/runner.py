@@ -53,18 +53,23 @@ class KVTransfer(Protocol):
 
     def save_answer(self, seq: Sequence, slots: SlotBank) -> None: ...
 
+    def answer_end(self, seq: Sequence) -> int | None: ...
+
     def distrust(self, seq: Sequence) -> bool: ...
 
 
 class ModelRunner:
     def __init__(self, session: DecoderSession, encoder: EncoderSession | None, max_batch: int, context_length: int,
                  kv: KVTransfer, pace: PrefillPace, shares: ClientShares, prefill_rule: SplitRule = EVERY_RUN,
-                 decode_rule: SplitRule = EVERY_RUN) -> None:
+                 decode_rule: SplitRule = EVERY_RUN, recompute_answers: bool = False) -> None:
         """``prefill_rule``: the run lengths no prompt run has (``split_rule``); ``decode_rule``:
-        the row counts no decode run has."""
+        the row counts no decode run has; ``recompute_answers``: an answer's positions are computed
+        again as prompt before they are published (decode rows are not prompt rows, and a model
+        that rounds activations to int8 makes the difference whole tokens)."""
         self.session = session
         self.encoder = encoder
         self.prefill_rule = prefill_rule
+        self.recompute_answers = recompute_answers
         self.slots = open_slots(session, max_batch, context_length, decode_rule)
         if not session.on_host:
             started = time.perf_counter()
@@ -77,8 +82,24 @@ class ModelRunner:
         self.kv = kv
         self.pace = pace
         """Measured prefill cost, observed after every chunk (how long computing a run would take)."""
-        self.lifecycle = Lifecycle(self.slots.release, lambda seq: kv.save_answer(seq, self.slots), shares)
+        self.lifecycle = Lifecycle(self.slots.release, self._save_answer, shares)
         self.stats = self.lifecycle.stats
+
+    def _save_answer(self, seq: Sequence) -> None:
+        """Publishes what ``seq`` decoded (``KVTransfer.save_answer``), its positions first computed
+        again as prompt where ``recompute_answers``: the cost of one prefill of the answer, paid
+        once where every replica's next turn would otherwise pay it."""
+        end = self.kv.answer_end(seq) if self.recompute_answers else None
+        if end is not None:
+            start = len(seq.prompt)
+            self.lifecycle.deliver()  # the answer's last message goes out before this extra run
+            try:
+                self.run_prompt(seq.slot, [*seq.prompt, *seq.tokens], start, end - start, False)
+            except Exception:  # noqa: BLE001 - the answer was delivered; only its publish is lost
+                log.exception("computing the answer of request %s again for its publish failed", seq.request_id)
+                return
+            self.stats.recomputed_answer_tokens += end - start
+        self.kv.save_answer(seq, self.slots)
 
     def prefault(self, tokens: int) -> int:
         """Faults in the slot memory the first request will use (``SlotBank.prefault``); safe on

@@ -57,6 +57,8 @@ class SchedulerStats:
     prefix, instead of being computed again (in-worker single-flight)."""
     shared_waits: int = 0
     """Steps a prefilling sequence sat out because another row was about to hold its prefix."""
+    recomputed_answer_tokens: int = 0
+    """Decoded tokens computed again as prompt before their publish (``ModelRunner._save_answer``)."""
     adopted_tokens: int = 0
     """Prompt tokens taken from blocks another worker published after this one stopped waiting
     for them (``Trail``), instead of being computed twice."""

@@ -60,6 +60,7 @@ class Numerics:
 
 def _session(graph: onnx.GraphProto, threads: int) -> ort.InferenceSession:
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
+    model.ir_version = 10  # what every ONNX Runtime the images hold reads (onnx writes its newest)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL

@@ -92,7 +92,7 @@ class KVConnector:
             options.chunk_tokens, pace, self.waits, self.writes, fetch_policy, self.encodes)
         self.worker_side = KVConnectorWorker(
             self.prefix, cross, store, cache_stats, storage_dtype, spec.kv_bytes_per_token(model_kv_dtype.itemsize),
-            self.writes, self.encodes, publish_answers=not spec.quantized_activations)
+            self.writes, self.encodes)
 
     @property
     def _layout(self) -> str:

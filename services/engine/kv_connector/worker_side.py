@@ -51,11 +51,8 @@ class KVConnectorWorker:
 
     def __init__(self, prefix: PrefixStore, cross: CrossStore, store: KVStore, cache_stats: CacheStats,
                  storage_dtype: np.dtype, kv_bytes_per_token: int, writes: PublishQueue,
-                 encodes: EncoderRuns, publish_answers: bool = True) -> None:
-        """``publish_answers``: False for a model whose matmuls quantize their activations (see
-        ``save_answer``)."""
+                 encodes: EncoderRuns) -> None:
         self.prefix = prefix
-        self.publish_answers = publish_answers
         self.cross = cross
         self.store = store
         self.cache_stats = cache_stats
@@ -195,23 +192,31 @@ class KVConnectorWorker:
         on any replica. The last token's K/V was never computed (it was not fed), so the blocks
         stop before it. Beams are not published: their rows were reordered along the search.
 
-        Nor are answers of a model whose matmuls round activations to 8 bits
-        (``publish_answers`` False): decode steps compute one row where a prefill computes many,
-        and float differences at rounding level between the two move whole quantization steps of
-        the next activations there. SmolLM2 (gguf) served turn 2 over turn 1's decoded blocks with
-        logits up to 0.98 from computing it (a greedy token changed at a 0.04 margin), over
-        prefilled blocks identically; so a next turn computes the answer's tokens again."""
-        kv = seq.kv
-        if not self.publish_answers or kv.cache.skip_write or (seq.group is not None and seq.group.beams is not None):
+        A model whose matmuls round activations to 8 bits needs its answer's positions computed
+        again as prompt first (``ModelRunner``, ``answer_end``): a decode step computes one row where a
+        prefill computes many, and float differences at rounding level between the two move whole
+        quantization steps of the next activations there. SmolLM2 (gguf) served turn 2 over turn
+        1's decoded blocks with logits up to 0.98 from computing it (a greedy token changed at a
+        0.04 margin), over prefilled blocks identically."""
+        end = self.answer_end(seq)
+        if end is None:
             return
-        size = kv.namespace.block_size
-        first, last = len(seq.prompt) // size, seq.slot.length // size
-        if last <= first:
-            return
-        tokens, namespace = [*seq.prompt, *seq.tokens][: last * size], kv.namespace
+        kv, size = seq.kv, seq.kv.namespace.block_size
+        first, last = len(seq.prompt) // size, end // size
+        tokens, namespace = [*seq.prompt, *seq.tokens][:end], kv.namespace
         # Hashing the whole chain is the write thread's work; only the copy must happen now.
         self._publish_blocks(seq, slots, first, last,
                              lambda blocks: self.prefix.publish(block_hashes(namespace, tokens), blocks, first, size))
+
+    def answer_end(self, seq: Sequence) -> int | None:
+        """Where the blocks ``save_answer`` publishes for ``seq`` end (a position past its prompt's
+        last full block), or None when it publishes none."""
+        kv = seq.kv
+        if kv.cache.skip_write or (seq.group is not None and seq.group.beams is not None):
+            return None
+        size = kv.namespace.block_size
+        last = seq.slot.length // size
+        return last * size if last > len(seq.prompt) // size else None
 
     def _publish_blocks(self, seq: Sequence, slots: SlotBank, first: int, last: int,
                         publish: Callable[[np.ndarray], object]) -> Future | None:
