@@ -234,6 +234,15 @@ def gemma3() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma3_blocks() -> Path:
+    """Gemma 3 270M with its GGUF's own Q4_K/Q5_0/Q6_K/Q8_0 blocks (``--weights gguf``):
+    MatMulNBits with int8 activations."""
+    from services.local.model_catalogue import fetch_model
+
+    return fetch_model("gemma-3-270m", weights="gguf")
+
+
+@pytest.fixture(scope="session")
 def gemma_gguf() -> Path:
     """The GGUF that folder was converted from (what llama.cpp ran for the recorded references)."""
     from services.local.model_catalogue import source_file

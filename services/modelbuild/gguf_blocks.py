@@ -13,6 +13,15 @@ re-quantized, so the folder holds the same model as the GGUF.
   has no per-block offset in its fast kernels (a float zero point sends ONNX Runtime 1.32 to its
   dequantize-everything path), so the graph adds ``blocksum(x) @ mins`` beside it, as llama.cpp's
   Q4_1 dot product adds ``m * sum(y)``.
+- ``Q5_0`` (32 5-bit q, scale d; value ``d * (q - 16)``): 8 bits, the byte ``q + 112``.
+- ``Q6_K`` (super-blocks of 256: 16 groups of 16 6-bit q, an int8 scale s per group and one
+  float16 d; value ``d * s * (q - 32)``): 8 bits per value, block 16, scale ``d * s`` (exact in
+  float32: 11 + 8 bits), the byte ``q + 96``.
+- ``Q4_K`` (super-blocks of 256: 8 groups of 32 4-bit q, 6-bit scale s and minimum m per group,
+  float16 d and dmin; value ``d * s * q - dmin * m``): 4 bits, block 32, scale ``d * s`` and the
+  ``mins`` table ``8 * d * s - dmin * m``, as Q4_1. Each product is exact in float32, so the
+  value equals gguf's wherever ``8 * d * s - dmin * m`` is (its two terms' exponents within 7 of
+  each other: every block of Gemma 3 270M's GGUF).
 
 Layout: a GGUF stores a matmul weight as ``[out, in]`` rows of blocks along ``in``, which is
 MatMulNBits' ``B`` layout (``[N, K / block, bytes per block]``); only the nibble order differs:
@@ -27,7 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 
 BLOCK = 32
-"""Values per block of every type mapped here."""
+"""Values per block of the 32-value types (the K-quants' super-blocks of 256 become blocks of 32
+or 16)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +115,42 @@ def _q4_1(b: np.ndarray) -> QuantBlocks:
     return QuantBlocks(4, BLOCK, _nibbles(b[..., 4:]), d, m + np.float32(8) * d, "Q4_1")
 
 
-_TYPES = {"Q8_0": (34, _q8_0), "Q4_0": (18, _q4_0), "Q4_1": (20, _q4_1)}
+def _q5_0(b: np.ndarray) -> QuantBlocks:
+    high = np.ascontiguousarray(b[..., 2:6]).view(np.uint32)[..., 0]
+    q = np.concatenate([b[..., 6:] & 0xF, b[..., 6:] >> 4], axis=-1).astype(np.uint8)
+    q |= (((high[..., None] >> np.arange(32, dtype=np.uint32)) & 1) << 4).astype(np.uint8)
+    return QuantBlocks(8, BLOCK, q + np.uint8(112), _halves(b, 0), None, "Q5_0")
+
+
+def _q6_k(b: np.ndarray) -> QuantBlocks:
+    rows, supers = b.shape[:2]
+    low, high = b[..., :128].reshape(rows, supers, 2, 64), b[..., 128:192].reshape(rows, supers, 2, 32)
+    q = np.empty((rows, supers, 2, 4, 32), np.uint8)  # [half of 128, quarter of 32, element]
+    for part in range(4):
+        nibbles = low[..., (part % 2) * 32 : (part % 2) * 32 + 32]
+        q[:, :, :, part] = ((nibbles & 0xF) if part < 2 else (nibbles >> 4)) | (((high >> (2 * part)) & 3) << 4)
+    scales = b[..., 192:208].view(np.int8).astype(np.float32)
+    d = _halves(b, 208)[..., None]
+    return QuantBlocks(8, 16, (q.reshape(rows, supers * 16, 16) + np.uint8(96)),
+                       (d * scales).reshape(rows, supers * 16), None, "Q6_K")
+
+
+def _q4_k(b: np.ndarray) -> QuantBlocks:
+    rows, supers = b.shape[:2]
+    packed = b[..., 4:16].reshape(rows, supers, 3, 4)
+    first, second, third = packed[..., 0, :], packed[..., 1, :], packed[..., 2, :]
+    scale = np.concatenate([first & 0x3F, (third & 0x0F) | ((first >> 2) & 0x30)], axis=-1).astype(np.float32)
+    minimum = np.concatenate([second & 0x3F, (third >> 4) | ((second >> 2) & 0x30)], axis=-1).astype(np.float32)
+    d = _halves(b, 0)[..., None] * scale
+    dm = _halves(b, 2)[..., None] * minimum
+    quants = b[..., 16:].reshape(rows, supers, 4, 32)  # 4 chunks of 64: low nibbles, then high
+    q = np.stack([quants & 0xF, quants >> 4], axis=3).reshape(rows, supers * 8, 32)
+    return QuantBlocks(4, BLOCK, (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8),
+                       d.reshape(rows, supers * 8), (np.float32(8) * d - dm).reshape(rows, supers * 8), "Q4_K")
+
+
+_TYPES = {"Q8_0": (34, 32, _q8_0), "Q4_0": (18, 32, _q4_0), "Q4_1": (20, 32, _q4_1), "Q5_0": (22, 32, _q5_0),
+          "Q4_K": (144, 256, _q4_k), "Q6_K": (210, 256, _q6_k)}
 MAPPED_TYPES = tuple(_TYPES)
 """GGUF block types kept as blocks; a tensor of any other type is dequantized to float32."""
 
@@ -113,7 +158,9 @@ MAPPED_TYPES = tuple(_TYPES)
 def blocks_of(type_name: str, raw: np.ndarray, rows: int, columns: int) -> QuantBlocks | None:
     """The blocks of a 2-D GGUF tensor of ``rows`` x ``columns`` (``[out, in]``) whose bytes are
     ``raw``; None when its type is not one of MAPPED_TYPES."""
-    if type_name not in _TYPES or columns % BLOCK:
+    if type_name not in _TYPES:
         return None
-    size, convert = _TYPES[type_name]
-    return convert(np.asarray(raw, np.uint8).reshape(rows, columns // BLOCK, size))
+    size, values, convert = _TYPES[type_name]
+    if columns % values:
+        return None
+    return convert(np.asarray(raw, np.uint8).reshape(rows, columns // values, size))
