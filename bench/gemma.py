@@ -104,7 +104,7 @@ def main() -> int:
         for _ in range(runs):
             prompt = model.random_ids(rng, prompt_tokens)
             prefill = first_token(stub, prompt, skip_cache=True).timings.time_to_first_token_ms
-            rate, ours = kvshare_run(stub, prompt, new_tokens)
+            rate, _, _ = kvshare_run(stub, prompt, new_tokens)
             peer = llama_cpp_run(args.llama_cpp, gguf, prompt, new_tokens) if args.llama_cpp else None
             speed.append((prefill, rate, peer))
             print(f"kvshare prefill {prefill:.0f} ms, decode {rate:.1f} tok/s" +
