@@ -36,8 +36,8 @@ def test_a_lone_run_begins_one_held_position_early_or_splits_at_the_start():
 
 
 def test_the_fitted_rule_covers_what_was_measured_or_there_is_none():
-    assert fitting_rule((1, 129, 257), 258).moduli == (128,)
-    assert fitting_rule((1, 65, 129), 130).moduli == (64, 128)
-    assert fitting_rule((1,), 258).moduli == (128,)
-    assert fitting_rule((), 258).moduli == (128,)
-    assert fitting_rule((1, 2, 5), 258) is None  # no period explains 5
+    assert fitting_rule((1, 129, 257)).moduli == (128,)
+    assert fitting_rule((1, 65, 129)).moduli == (64, 128)
+    assert fitting_rule((1,)).moduli == (128,)
+    assert fitting_rule(()).moduli == (128,)
+    assert fitting_rule((1, 2, 5)) is None  # no period explains 5

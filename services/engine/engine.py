@@ -214,10 +214,10 @@ class Engine:
                  self.storage_dtype.itemsize == 4 and options.cache_dtype == "auto" else "",
                  session.kv_dtype.name)
         if session.numerics is not None:
-            log.log(logging.INFO if session.numerics.exact or numerics is None else logging.WARNING,
-                    "numerics: %s%s", session.numerics.describe(),
-                    "" if numerics is None or numerics.exact else "; this model's answers would depend on what "
-                    "was cached, so this worker neither reads nor publishes K/V")
+            log.info("numerics: %s", session.numerics.describe())
+        if numerics is not None and not numerics.exact:
+            log.warning("this model's answers would depend on what was cached, so this worker neither reads nor "
+                        "publishes K/V")
         if len(spec.layer_groups) > 1:
             self._log_layer_groups()
         if options.prefix_fetch is PrefixFetch.AUTO and not session.on_host:

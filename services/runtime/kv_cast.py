@@ -18,6 +18,7 @@ import threading
 import numpy as np
 from onnx import TensorProto, helper
 
+from services.runtime.ort import cpu_session
 from services.runtime.ort import onnxruntime as ort
 
 _F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
@@ -33,12 +34,8 @@ def _cast_session(src: np.dtype, dst: np.dtype) -> ort.InferenceSession:
             graph = helper.make_graph([helper.make_node("Cast", ["x"], ["y"], to=_TENSOR_TYPES[dst])], "cast",
                                       [helper.make_tensor_value_info("x", _TENSOR_TYPES[src], ["n"])],
                                       [helper.make_tensor_value_info("y", _TENSOR_TYPES[dst], ["n"])])
-            model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-            model.ir_version = 10
-            options = ort.SessionOptions()
-            options.intra_op_num_threads = 1  # callers are the scheduler, read and write threads: one core each
-            _sessions[src, dst] = ort.InferenceSession(model.SerializeToString(), options,
-                                                       providers=["CPUExecutionProvider"])
+            # One thread: callers are the scheduler, read and write threads, one core each.
+            _sessions[src, dst] = cpu_session(graph, {"": 21}, 1)
         return _sessions[src, dst]
 
 

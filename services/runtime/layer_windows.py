@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import onnx
 
-MS_DOMAIN = "com.microsoft"
+from services.runtime.ort import MS_DOMAIN
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,10 +23,11 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from services.runtime.ort import MS_DOMAIN, cpu_session
 from services.runtime.ort import onnxruntime as ort
 from services.runtime.split_rule import EVERY_RUN, MATMUL_ROW_BLOCK, SplitRule
 
-MS_DOMAIN = "com.microsoft"
+_OPSETS = {"": 17, MS_DOMAIN: 1}
 _PAST = 3
 """Positions held before each probed run (any past > 0 will do; a decode step needs one)."""
 _SEED = 20261207
@@ -58,15 +59,6 @@ class Numerics:
             f"n mod {m} = 1" for m in self.rule.moduli)
 
 
-def _session(graph: onnx.GraphProto, threads: int) -> ort.InferenceSession:
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(MS_DOMAIN, 1)])
-    model.ir_version = 10  # what every ONNX Runtime the images hold reads (onnx writes its newest)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-
-
 def _lone(last_row, longest: int, reference: np.ndarray) -> tuple[int, ...]:
     """The lengths n in 1..longest whose run's last row differs bitwise from ``reference``'s
     row, scanned up to twice the first lone length past 1 (and 2 more): one period of the
@@ -96,7 +88,7 @@ def attention_lone(head_size: int, threads: int, longest: int) -> tuple[int, ...
         [helper.make_tensor_value_info("out", f, [1, "s", head_size]),
          helper.make_tensor_value_info("present_k", f, [1, 1, "t", head_size]),
          helper.make_tensor_value_info("present_v", f, [1, 1, "t", head_size])])
-    session = _session(graph, threads)
+    session = cpu_session(graph, _OPSETS, threads)
     total = _PAST + longest + 2
     q, k, v = np.random.default_rng(_SEED).standard_normal((3, 1, total, head_size), dtype=np.float32)
 
@@ -121,14 +113,14 @@ def matmul_lone(threads: int, longest: int, inner: int = 128, outer: int = 64) -
         "probe_matmul", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["m", inner])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["m", outer])],
         [onnx.numpy_helper.from_array(weights, "w"), onnx.numpy_helper.from_array(scales, "scales")])
-    session = _session(graph, threads)
+    session = cpu_session(graph, _OPSETS, threads)
     a = rng.standard_normal((_PAST + longest + 2, inner), dtype=np.float32)
     reference = session.run(["y"], {"a": a})[0]
     return _lone(lambda n: session.run(["y"], {"a": a[_PAST : _PAST + n]})[0][-1], longest, reference)
 
 
-def fitting_rule(lone: tuple[int, ...], longest: int) -> SplitRule | None:
-    """The rule whose lone lengths up to ``longest`` are a superset of ``lone``, from moduli
+def fitting_rule(lone: tuple[int, ...]) -> SplitRule | None:
+    """The rule whose lone lengths are a superset of ``lone``, from moduli
     ``Br`` (the smallest lone length past 1, less one) and MLAS' 128-row block; None when even
     that rule leaves one of ``lone`` out."""
     moduli = {MATMUL_ROW_BLOCK}
@@ -136,7 +128,7 @@ def fitting_rule(lone: tuple[int, ...], longest: int) -> SplitRule | None:
     if above_one and above_one[0] - 1 >= 2:
         moduli.add(above_one[0] - 1)
     rule = SplitRule(tuple(sorted(moduli)))
-    return rule if all(rule.lone(n) for n in lone if n <= longest) else None
+    return rule if all(rule.lone(n) for n in lone) else None
 
 
 @functools.cache
@@ -146,7 +138,7 @@ def probe(head_size: int, threads: int) -> Numerics:
     longest = 4 * head_size + 2
     attention = attention_lone(head_size, threads, longest)
     matmul = matmul_lone(threads, min(longest, 2 * MATMUL_ROW_BLOCK + 2))
-    rule = fitting_rule(tuple(sorted(set(attention) | set(matmul))), longest)
+    rule = fitting_rule(tuple(sorted(set(attention) | set(matmul))))
     exact = rule is not None
     text = "|".join([ort.__version__, platform.machine(), _isa(), f"h{head_size}", f"t{threads or os.cpu_count()}",
                      "a" + ",".join(map(str, attention)), "m" + ",".join(map(str, matmul))])

@@ -8,6 +8,8 @@ be installed together. An install with neither extra gets this message instead o
 
 from __future__ import annotations
 
+from onnx import helper
+
 MISSING = ("ONNX Runtime is not installed: install kvshare[cpu] (onnxruntime) or, with CUDA, "
            "kvshare[gpu] (onnxruntime-gpu)")
 
@@ -18,4 +20,19 @@ except ModuleNotFoundError as exc:
         raise
     raise ModuleNotFoundError(MISSING, name="onnxruntime") from None
 
-__all__ = ["onnxruntime"]
+MS_DOMAIN = "com.microsoft"
+"""The domain of ONNX Runtime's contrib operators (GroupQueryAttention, MatMulNBits)."""
+
+
+def cpu_session(graph, opsets: dict[str, int], threads: int) -> onnxruntime.InferenceSession:
+    """A CPU session of a small ``onnx.GraphProto`` built in code, on ``threads`` intra-op threads
+    (0: ONNX Runtime's choice). IR version 10: what every ONNX Runtime the images hold reads
+    (onnx writes its newest, which onnxruntime-gpu 1.31 refuses)."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid(domain, v) for domain, v in opsets.items()])
+    model.ir_version = 10
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = threads
+    return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+__all__ = ["MS_DOMAIN", "cpu_session", "onnxruntime"]

@@ -45,7 +45,7 @@ class SplitRule:
         ``start .. start + n - 1`` when ``start`` positions are held: the one run, or the one run
         begun a position early (that position is computed again), or two runs. Never earlier than
         one position: a windowed layer's slot holds the ``window`` positions before ``start``
-        (``PrefixGeometry.window_blocks``), enough to compute one more, not two."""
+        (``KVGeometry.window_blocks``), enough to compute one more, not two."""
         if not self.lone(n):
             return [(start, start + n)]
         if start > 0 and not self.lone(n + 1):
