@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 import onnx
 
-from services.runtime.ort import MS_DOMAIN
+MS_DOMAIN = "com.microsoft"
+"""The domain of ONNX Runtime's contrib operators; here, not in ``ort``, so that reading a graph
+needs no ONNX Runtime (the CLI builds its parser without one)."""
 
 
 @dataclass(frozen=True, slots=True)

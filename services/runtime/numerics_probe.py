@@ -23,7 +23,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from services.runtime.ort import MS_DOMAIN, cpu_session
+from services.runtime.layer_windows import MS_DOMAIN
+from services.runtime.ort import cpu_session
 from services.runtime.ort import onnxruntime as ort
 from services.runtime.split_rule import EVERY_RUN, MATMUL_ROW_BLOCK, SplitRule
 

@@ -20,10 +20,6 @@ except ModuleNotFoundError as exc:
         raise
     raise ModuleNotFoundError(MISSING, name="onnxruntime") from None
 
-MS_DOMAIN = "com.microsoft"
-"""The domain of ONNX Runtime's contrib operators (GroupQueryAttention, MatMulNBits)."""
-
-
 def cpu_session(graph, opsets: dict[str, int], threads: int) -> onnxruntime.InferenceSession:
     """A CPU session of a small ``onnx.GraphProto`` built in code, on ``threads`` intra-op threads
     (0: ONNX Runtime's choice). IR version 10: what every ONNX Runtime the images hold reads
@@ -35,4 +31,4 @@ def cpu_session(graph, opsets: dict[str, int], threads: int) -> onnxruntime.Infe
     return onnxruntime.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-__all__ = ["MS_DOMAIN", "cpu_session", "onnxruntime"]
+__all__ = ["cpu_session", "onnxruntime"]
