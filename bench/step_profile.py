@@ -13,8 +13,12 @@ folder with ``--before-spinning`` (SmolLM2's ``fp32`` folder and ``never``: the 
   between kernels (a run's time less its kernels');
 - "Python step" is the slot bank's own work around a run (binding, bookkeeping);
 - "sampling" is the worker's greedy sampler on one row of logits;
-- "served stream" is what one token costs more through a worker over gRPC (``kvshare serve``, a
-  client in this process) than the in-process step loop: scheduler, output processing, gRPC.
+- the served stream, through a worker over gRPC (``kvshare serve``, a client in this process), with
+  ``--stream-interval`` 1 (each token its own message, the default) and 4: its ms per token against
+  the in-process step loop's (wall clock, so within the runs' spread), and the CPU it costs, which
+  is not: the worker's event-loop thread (output processing, gRPC, wake-ups; read from
+  ``/proc/PID/task/PID/stat``) and the client's, per token. On 2 vCPUs both take it from the two
+  ONNX Runtime threads.
 
     .venv/bin/python -m bench.step_profile [--smoke] [--model DIR] [--before DIR [--before-spinning never]]
 """
@@ -22,6 +26,7 @@ folder with ``--before-spinning`` (SmolLM2's ``fp32`` folder and ``never``: the 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections import defaultdict
@@ -104,7 +109,8 @@ def kernel_shares(session: DecoderSession, slots, prompt: list[int]) -> dict[str
 
 
 def step_times(slots, prompt: list[int]) -> tuple[float, float]:
-    """(ms per decode step of the slot bank, ms of its model run alone), unprofiled."""
+    """(ms per decode step of the slot bank, ms of its model run alone), unprofiled: both means over
+    the same decode steps."""
     inner: list[float] = []
     session = slots.session
     run = session.run_binding
@@ -121,7 +127,29 @@ def step_times(slots, prompt: list[int]) -> tuple[float, float]:
         rate, _, _ = slots_run(slots, prompt, STEPS * 2)
     finally:
         del session.run_binding
-    return 1e3 / rate, median(inner[-STEPS:]) * 1e3
+    return 1e3 / rate, sum(inner[1:]) / len(inner[1:]) * 1e3  # inner[0]: the prompt's run
+
+
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """CPU seconds (user and system) thread ``tid`` of process ``pid`` has used."""
+    stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def served(bench: BenchModel, spinning: str, prompt: list[int], interval: int, new_tokens: int) -> dict[str, float]:
+    """One stream through a worker at ``--stream-interval interval``: ms per token (the worker's own
+    timings, median of 3) and the CPU ms per token of the worker's event loop and of the client."""
+    args = ("--intra-op-spinning", spinning, "--stream-interval", str(interval))
+    with fleet(bench, replicas=1, extra_args=args) as f:
+        kvshare_run(f.stubs[0], prompt, 4)
+        pid = f.workers[0].pid  # asyncio.run runs the event loop on the main thread
+        loop_s, client_s = thread_cpu_s(pid, pid), time.process_time()
+        rates = [kvshare_run(f.stubs[0], prompt, new_tokens)[0] for _ in range(3)]
+        tokens = 3 * new_tokens
+        return {"ms": median([1e3 / r for r in rates]),
+                "loop": (thread_cpu_s(pid, pid) - loop_s) / tokens * 1e3,
+                "client": (time.process_time() - client_s) / tokens * 1e3}
 
 
 def main() -> int:
@@ -150,17 +178,21 @@ def main() -> int:
         for _ in range(200):
             sampler(logits)
         sampling_ms = (time.perf_counter() - start) / 200 * 1e3
-        with fleet(bench, replicas=1, extra_args=("--intra-op-spinning", spinning)) as f:
-            kvshare_run(f.stubs[0], prompt, 4)
-            served_ms = median([1e3 / kvshare_run(f.stubs[0], prompt, 128)[0] for _ in range(3)])
+        each, four = (served(bench, spinning, prompt, interval, 128) for interval in (1, 4))
         in_process_ms = median([1e3 / slots_run(slots, prompt, 128)[0] for _ in range(3)])
         column = {name: share * run_ms for name, share in shares.items()}
         column |= {"Python step": step_ms - run_ms, "sampling": sampling_ms,
-                   "served stream (scheduler, gRPC)": served_ms - in_process_ms, "served ms per token": served_ms}
+                   "in-process step loop, ms per token": in_process_ms,
+                   "served, ms per token": each["ms"], "served, --stream-interval 4": four["ms"],
+                   "worker event loop CPU": each["loop"], "worker event loop CPU, interval 4": four["loop"],
+                   "client CPU": each["client"], "client CPU, interval 4": four["client"]}
         columns[f"{folder.name}, {spinning}"] = column
-        print(f"{folder.name} ({spinning}): step {step_ms:.2f} ms, served {served_ms:.2f} ms per token", flush=True)
+        print(f"{folder.name} ({spinning}): step {step_ms:.2f} ms, in-process {in_process_ms:.2f}, served "
+              f"{each['ms']:.2f} ms per token", flush=True)
     names = ["projections", "Q4_1 minimums", "attention", "head", "other kernels", "runtime between kernels",
-             "Python step", "sampling", "served stream (scheduler, gRPC)", "served ms per token"]
+             "Python step", "sampling", "in-process step loop, ms per token", "served, ms per token",
+             "served, --stream-interval 4", "worker event loop CPU", "worker event loop CPU, interval 4",
+             "client CPU", "client CPU, interval 4"]
     print_table(f"ms per decode step after {prompt_tokens} tokens, {INTRA_OP_THREADS} intra-op threads (kernel shares "
                 f"from ONNX Runtime's profiler, applied to unprofiled runs)", ("", *columns),
                 [(name, *(c.get(name, 0.0) for c in columns.values())) for name in names])

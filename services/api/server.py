@@ -139,7 +139,7 @@ def load_engine(settings: Settings) -> Engine:
         max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, cache_dtype=settings.cache_dtype,
         scheduler=SchedulerOptions(settings.max_batch, settings.max_queued, settings.max_prefill_tokens_per_step,
                                    settings.max_unread_tokens, settings.max_paused_s, settings.max_unread_bytes,
-                                   settings.max_client_rows, settings.yield_paused_s),
+                                   settings.max_client_rows, settings.yield_paused_s, settings.stream_interval),
         kv_cache_bytes=settings.kv_cache_bytes,
         store_read_threads=settings.store_read_threads, store_write_threads=settings.store_write_threads,
         max_value_bytes=settings.cache_max_value_bytes,

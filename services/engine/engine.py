@@ -202,7 +202,8 @@ class Engine:
                                  options.max_stop_string_bytes, options.max_answer_bytes)
         self.inputs = InputProcessor(spec, session, encoder, tokenizer, self.limits, options.max_new_tokens_cap,
                                      scheduling.max_batch, self._off_loop, self._audio_loop,
-                                     (scheduling.max_unread_tokens, scheduling.max_unread_bytes))
+                                     (scheduling.max_unread_tokens, scheduling.max_unread_bytes),
+                                     scheduling.stream_interval)
         self.outputs = OutputProcessor(tokenizer, self._off_loop)
         # What tests, benchmarks and metrics read: each room's own object, not a copy.
         self.slots, self.encoder = self.runner.slots, self.runner.encoder

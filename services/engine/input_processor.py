@@ -62,7 +62,8 @@ SUPPRESS_FIELDS = ("suppress_token_ids", "begin_suppress_token_ids")
 class InputProcessor:
     def __init__(self, spec: ModelSpec, decoder: DecoderSession, encoder: EncoderSession | None,
                  tokenizer: TextTokenizer, limits: RequestLimits, max_new_tokens_cap: int, max_rows: int,
-                 off_loop: OffLoop, audio_loop: OffLoop, unread: tuple[int, int] = (256, 64 * 1024)) -> None:
+                 off_loop: OffLoop, audio_loop: OffLoop, unread: tuple[int, int] = (256, 64 * 1024),
+                 stream_interval: int = 1) -> None:
         self.spec = spec
         self._decoder = decoder
         self._encoder = encoder
@@ -73,6 +74,8 @@ class InputProcessor:
         """Rows one request may hold (n samples, beams): the worker's batch."""
         self.unread = unread
         """(tokens, bytes) a consumer may leave unread before its row pauses (``unread_limit``)."""
+        self.stream_interval = stream_interval
+        """Tokens made before a row's consumer is woken (``SchedulerOptions.stream_interval``)."""
         self._off_loop = off_loop
         self._audio_loop = audio_loop
         """Where a request with audio is prepared instead: decoding it never delays text requests."""
@@ -180,6 +183,8 @@ class InputProcessor:
                 ready=ready,
                 client=request.client,
                 unread_limit=unread,
+                # A paused row must have woken its consumer, or nobody would read on.
+                stream_interval=min(self.stream_interval, unread),
             ))
         if count > 1:
             group = SequenceGroup(rows, BeamState(beams, eos | stop_ids) if beams.on else None,

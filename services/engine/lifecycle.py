@@ -124,7 +124,8 @@ class Lifecycle:
             reason = FinishReason.LENGTH
         logprob = token_logprobs(logits[None], [token], seq.top_logprobs)[0] if seq.logprobs else None
         seq.outbox.append((token, reason, logprob))
-        self.touch(seq)
+        if reason is not None or seq.generated == 1 or len(seq.outbox) >= seq.stream_interval:
+            self.touch(seq)
         if reason is None:
             seq.next_token = token
             seq.phase = Phase.DECODING

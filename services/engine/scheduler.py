@@ -78,6 +78,10 @@ class SchedulerOptions:
     yield_paused_s: float = 2.0
     """While another client waits for a slot, a stream paused this long whose client holds more
     than its fair part of the slots is ended with ``Overloaded``, freeing its slot."""
+    stream_interval: int = 1
+    """Tokens a stream's consumer is woken for at once: 1 hands over each token as it is made; N
+    hands over every N tokens (the first token and the last at once), so a stream takes fewer,
+    larger messages and its worker fewer wake-ups per token (vLLM's ``--stream-interval``)."""
 
 
 @dataclass(slots=True, eq=False)

@@ -92,6 +92,9 @@ class Sequence:
     """Who sent the request (``fair_share.client_of``): the share its rows count against."""
     unread_limit: int = 256
     """Tokens the consumer may leave unread before the row pauses (``output_processor.unread_limit``)."""
+    stream_interval: int = 1
+    """Tokens made before the consumer is woken (at most ``unread_limit``); the first token and the
+    row's end wake it at once (``SchedulerOptions.stream_interval``)."""
     passed_by: int = 0
     """Requests admitted ahead of this one while it waited at the head of the queue for slots."""
     phase: Phase = Phase.QUEUED
