@@ -125,7 +125,7 @@ def test_a_second_replica_serves_1500_tokens_from_the_window_aware_fetch_as_cold
 def test_generation_across_the_window_after_a_warm_fetch_equals_the_cold_run(replicas):
     """The 505-token prompt's 16 new tokens reach positions 505-520: from 512 on its windowed layers
     drop the first positions. After a warm fetch of 7 blocks every step's logits equal the cold
-    run's bit for bit (tests/test_gemma_window.py compares the steps with a full recompute)."""
+    run's bit for bit (tests/test_gemma_fp32.py compares the steps with a full recompute)."""
     cold, warm = replicas
     ids = CROSSING["prompt_ids"]
     cold_ids, cold_logits, _ = run(cold, ids)

@@ -153,6 +153,9 @@ class InputProcessor:
         ready = asyncio.Event()
         loop = asyncio.get_running_loop()
         unread = unread_limit(*self.unread, request.logprobs, request.top_logprobs)
+        # Stop strings are matched where tokens are read: held tokens would be decoded past a stop.
+        # Half the unread limit at most, so that a row is not paused at every message.
+        interval = 1 if prepared.stops is not None else max(1, min(self.stream_interval, unread // 2))
         rows = []
         for i, kv in enumerate(kv_states(cache, count)):
             sampling = request.sampling
@@ -183,8 +186,7 @@ class InputProcessor:
                 ready=ready,
                 client=request.client,
                 unread_limit=unread,
-                # A paused row must have woken its consumer, or nobody would read on.
-                stream_interval=min(self.stream_interval, unread),
+                stream_interval=interval,
             ))
         if count > 1:
             group = SequenceGroup(rows, BeamState(beams, eos | stop_ids) if beams.on else None,

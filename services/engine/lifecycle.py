@@ -24,6 +24,11 @@ from services.engine.sequence import Phase, Sequence
 from services.engine.step_plan import SchedulerStats
 from services.runtime.slots import Slot
 
+MAX_HOLD_S = 0.25
+"""A token held back by ``--stream-interval`` this long (seconds) wakes its consumer with the next
+one: a stream stays well inside the router's one-second health-check timeout, which takes a
+stream silent since a failed check for a frozen worker's (``services/route``)."""
+
 
 class Lifecycle:
     """The active sequences, the queue, the counters, and every sequence's end.
@@ -124,7 +129,11 @@ class Lifecycle:
             reason = FinishReason.LENGTH
         logprob = token_logprobs(logits[None], [token], seq.top_logprobs)[0] if seq.logprobs else None
         seq.outbox.append((token, reason, logprob))
-        if reason is not None or seq.generated == 1 or len(seq.outbox) >= seq.stream_interval:
+        if seq.held_since is None:
+            seq.held_since = now
+        if (reason is not None or seq.generated == 1 or len(seq.outbox) >= seq.stream_interval
+                or now - seq.held_since >= MAX_HOLD_S):
+            seq.held_since = None
             self.touch(seq)
         if reason is None:
             seq.next_token = token

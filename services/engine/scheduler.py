@@ -80,8 +80,9 @@ class SchedulerOptions:
     than its fair part of the slots is ended with ``Overloaded``, freeing its slot."""
     stream_interval: int = 1
     """Tokens a stream's consumer is woken for at once: 1 hands over each token as it is made; N
-    hands over every N tokens (the first token and the last at once), so a stream takes fewer,
-    larger messages and its worker fewer wake-ups per token (vLLM's ``--stream-interval``)."""
+    hands over every N tokens (the first, the last and one held ``lifecycle.MAX_HOLD_S`` at once;
+    every token of a request with stop strings), so a stream takes fewer, larger messages and its
+    worker fewer wake-ups per token (vLLM's ``--stream-interval``)."""
 
 
 @dataclass(slots=True, eq=False)

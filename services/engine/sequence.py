@@ -93,8 +93,11 @@ class Sequence:
     unread_limit: int = 256
     """Tokens the consumer may leave unread before the row pauses (``output_processor.unread_limit``)."""
     stream_interval: int = 1
-    """Tokens made before the consumer is woken (at most ``unread_limit``); the first token and the
-    row's end wake it at once (``SchedulerOptions.stream_interval``)."""
+    """Tokens made before the consumer is woken (at most half ``unread_limit``, so a paused row has
+    always woken it; 1 with stop strings, which the consumer matches); the first token, the row's
+    end and a token held ``lifecycle.MAX_HOLD_S`` wake it at once (``SchedulerOptions.stream_interval``)."""
+    held_since: float | None = None
+    """perf_counter() of the oldest token in ``outbox`` its consumer has not been woken for."""
     passed_by: int = 0
     """Requests admitted ahead of this one while it waited at the head of the queue for slots."""
     phase: Phase = Phase.QUEUED
