@@ -5,6 +5,8 @@ in-process engines over a real redis-server, against llama.cpp's greedy ids on t
 the model's own cold recompute, bit for bit (docs/design.md, invariant 12)."""
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -71,33 +73,49 @@ def test_greedy_ids_equal_llama_cpps(engine, session, ref):
     compared however early the texts part): the model's top token is llama.cpp's at every position
     but near-ties, where llama.cpp's margin is under ``NEAR_TIE`` and kvshare's under
     ``RUNTIME_GAP``. The engine, free running, gives llama.cpp's tokens up to the first such position."""
+    ties = disagreements(session, ref, "gemma-3-270m vs llama.cpp, teacher-forced (llama.cpp's margin)")
+    for i, theirs, ours in ties:
+        assert theirs < NEAR_TIE and ours < RUNTIME_GAP, f"position {i}: margins {theirs}, {ours}"
+    served, _, _ = run(engine, ref["prompt_ids"])
+    agree = ties[0][0] if ties else len(ref["greedy_ids"])
+    assert served[:agree] == ref["greedy_ids"][:agree]
+
+
+def disagreements(session: DecoderSession, ref: dict, label: str) -> list[tuple[int, float, float]]:
+    """``ref``'s prompt and llama.cpp's 16 tokens fed one decode step each: (position, llama.cpp's
+    margin, kvshare's) wherever the top tokens differ; the agreeing positions' margins are noted."""
     step, cache = session.run(ref["prompt_ids"], session.empty_cache(len(ref["prompt_ids"]) + 16))
-    theirs, margins, ties = ref["greedy_ids"], ref["margins"], []
-    for i, token in enumerate(theirs):
+    found = []
+    for i, (token, margin) in enumerate(zip(ref["greedy_ids"], ref["margins"], strict=True)):
         ours = int(np.argmax(step))
         if ours != token:
-            ties.append(i)
-            gap = float(step[ours] - step[token])
-            print(f"\n{ref['prompt'][:24]!r} token {i}: near-tie, margins llama.cpp {margins[i]:.3f}, kvshare {gap:.3f}")
-            assert margins[i] < NEAR_TIE and gap < RUNTIME_GAP, f"position {i}: margins {margins[i]}, {gap}"
+            found.append((i, margin, float(step[ours] - step[token])))
+            print(f"\n{ref['prompt'][:24]!r} token {i}: near-tie, margins llama.cpp {margin:.3f}, kvshare {found[-1][2]:.3f}")
         else:
-            note_margin("gemma-3-270m vs llama.cpp, teacher-forced (llama.cpp's margin)", margins[i])
+            note_margin(label, margin)
         step, cache = session.run([token], cache)
-    served, _, _ = run(engine, ref["prompt_ids"])
-    agree = ties[0] if ties else len(theirs)
-    assert served[:agree] == theirs[:agree]
+    return found
+
+
+@contextmanager
+def two_replicas(folder: Path, redis_server) -> Iterator[list[Engine]]:
+    """Two engines (as two replicas) on one flushed Redis."""
+    with redis_server.client() as c:
+        c.flushall()
+    engines = [load(folder, redis_server.url) for _ in range(2)]
+    try:
+        yield engines
+    finally:
+        for e in engines:
+            e.close()
 
 
 @pytest.fixture(scope="module")
 def replicas(gemma3, redis_server):
     """Two engines (as two replicas) on one Redis, loaded once for the module (a load reads and
     hashes 1.1 GB): each test uses prompts of its own."""
-    with redis_server.client() as c:
-        c.flushall()
-    engines = [load(gemma3, redis_server.url) for _ in range(2)]
-    yield engines
-    for e in engines:
-        e.close()
+    with two_replicas(gemma3, redis_server) as engines:
+        yield engines
 
 
 def test_a_second_replica_serves_1500_tokens_from_the_window_aware_fetch_as_cold(replicas):

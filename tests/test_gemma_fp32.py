@@ -6,7 +6,7 @@ is (tests/test_gemma.py)."""
 
 import numpy as np
 import pytest
-from test_gemma import CROSSING, GREEDY, NEAR_TIE, load, run
+from test_gemma import CROSSING, GREEDY, NEAR_TIE, disagreements, run, two_replicas
 
 from services.local.model_catalogue import fetch_model
 from services.runtime.model_spec import load_model_spec
@@ -33,23 +33,14 @@ def test_greedy_ids_equal_llama_cpps(session, ref):
     """Fed llama.cpp's tokens, the top token is llama.cpp's at every position but near-ties, where
     both runtimes put the two within ``NEAR_TIE`` (float activations here, llama.cpp's int8: 13 of
     the 144 positions differ, each within 0.22 in kvshare's logits)."""
-    step, cache = session.run(ref["prompt_ids"], session.empty_cache(len(ref["prompt_ids"]) + 16))
-    for i, token in enumerate(ref["greedy_ids"]):
-        ours = int(np.argmax(step))
-        if ours != token:
-            gap = float(step[ours] - step[token])
-            assert ref["margins"][i] < NEAR_TIE and gap < NEAR_TIE, f"position {i}: margins {ref['margins'][i]}, {gap}"
-        step, cache = session.run([token], cache)
+    for i, theirs, ours in disagreements(session, ref, "gemma-3-270m fp32 vs llama.cpp, teacher-forced"):
+        assert theirs < NEAR_TIE and ours < NEAR_TIE, f"position {i}: margins {theirs}, {ours}"
 
 
 @pytest.fixture(scope="module")
 def replicas(folder, redis_server):
-    with redis_server.client() as c:
-        c.flushall()
-    engines = [load(folder, redis_server.url) for _ in range(2)]
-    yield engines
-    for e in engines:
-        e.close()
+    with two_replicas(folder, redis_server) as engines:
+        yield engines
 
 
 def test_generation_across_the_window_equals_a_full_recompute(session, replicas):
