@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.modelbuild.gguf_blocks import QuantBlocks
-from services.modelbuild.gguf_model import Fields, GGUFError
+from services.modelbuild.gguf_fields import Fields, GGUFError
 from services.modelbuild.presets import DecoderShape
 
 GEMMA3_SWA_PATTERN = 6

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
+from services.modelbuild.gguf_architectures import ARCHITECTURES
 from services.modelbuild.gguf_blocks import QuantBlocks, blocks_of
+from services.modelbuild.gguf_fields import Fields, GGUFError
 from services.modelbuild.presets import DecoderShape
 
 # llama.cpp's pre-tokenizers, as the regular expressions it applies in order (llama-vocab.cpp).
@@ -28,10 +30,6 @@ PRE_TOKENIZERS = {
 }
 TOKENIZER_MODELS = ("gpt2", "llama")
 """``tokenizer.ggml.model`` values converted: byte-level BPE with merges, SentencePiece with scores."""
-
-
-class GGUFError(ValueError):
-    """The file is not a model the converter can represent; the message names what."""
 
 
 @dataclass(slots=True)
@@ -68,30 +66,6 @@ class GGUFModel:
     chat_template: str | None
 
 
-class Fields:
-    """The file's key-value fields, read with an architecture's prefix or whole."""
-
-    def __init__(self, reader, arch: str) -> None:
-        self._fields, self.arch = reader.fields, arch
-
-    def get(self, key: str, default: object = None) -> object:
-        f = self._fields.get(key)
-        return default if f is None else f.contents()
-
-    def arch_get(self, key: str, default: object = None) -> object:
-        """``{arch}.{key}``."""
-        return self.get(f"{self.arch}.{key}", default)
-
-    def has(self, key: str) -> bool:
-        return f"{self.arch}.{key}" in self._fields
-
-    def required(self, key: str) -> object:
-        value = self.arch_get(key)
-        if value is None:
-            raise GGUFError(f"{self.arch}.{key} is missing")
-        return value
-
-
 def read_gguf(path: Path, keep_blocks: bool = False) -> GGUFModel:
     """The model in ``path``; GGUFError (never another exception) for anything unreadable or
     refused. ``keep_blocks``: also keep the quantized matmul weights as blocks (``blocks``)."""
@@ -106,8 +80,6 @@ def read_gguf(path: Path, keep_blocks: bool = False) -> GGUFModel:
 def _read(path: Path, keep_blocks: bool) -> GGUFModel:
     from gguf import GGUFReader
     from gguf.quants import dequantize
-
-    from services.modelbuild.gguf_architectures import ARCHITECTURES
 
     reader = GGUFReader(path)
     arch = reader.fields.get("general.architecture")
