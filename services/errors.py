@@ -37,6 +37,11 @@ class Overloaded(KVShareError):
     down); the message says what was full. Decided at once, before any work is done."""
 
 
+class Unavailable(KVShareError):
+    """The worker can no longer serve (its scheduler thread stopped on a bug): what was in flight is
+    failed with this, the worker reports NOT_SERVING and exits; another replica can serve it."""
+
+
 class NumericalError(KVShareError):
     """The model produced NaN or infinite logits for a request whose K/V was all computed by this
     worker (cached K/V under suspicion is dropped and recomputed instead): a fault of the model or

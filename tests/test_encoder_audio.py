@@ -166,7 +166,7 @@ def test_audio_over_grpc_with_the_default_message_size(whisper_audio, redis_url)
 def test_audio_is_decoded_apart_from_text_and_a_flood_of_it_is_refused_at_once(whisper_audio, monkeypatch):
     """One audio thread held by a decode (a gate, not a duration): a request with features, prepared
     on the tokenizer threads, streams to its end meanwhile; audio beyond --max-audio-requests is
-    refused at once, before its bytes are read."""
+    refused at once, before its bytes are read; one client holds at most half the places."""
     from services.engine import encoder_input
     from services.errors import Overloaded
 
@@ -182,19 +182,22 @@ def test_audio_is_decoded_apart_from_text_and_a_flood_of_it_is_refused_at_once(w
     engine = Engine.load(whisper_audio, EngineOptions(audio_threads=1, max_audio_requests=2), MemoryStore(64 << 20),
                          CacheStats(), "cpu", 2)
 
-    def request(encoder: EncoderRequest) -> GenerationRequest:
-        return GenerationRequest(prompt_token_ids=PROMPT, max_new_tokens=4, ignore_eos=True, encoder=encoder)
+    def request(encoder: EncoderRequest, client: str) -> GenerationRequest:
+        return GenerationRequest(prompt_token_ids=PROMPT, max_new_tokens=4, ignore_eos=True, encoder=encoder,
+                                 client=client)
 
-    async def tokens(encoder: EncoderRequest) -> list[int]:
-        return [t async for chunk in engine.generate(request(encoder)) for t in chunk.token_ids]
+    async def tokens(encoder: EncoderRequest, client: str = "a") -> list[int]:
+        return [t async for chunk in engine.generate(request(encoder, client)) for t in chunk.token_ids]
 
     async def scenario():
         first = asyncio.create_task(tokens(EncoderRequest(audio=CLIP)))
         await asyncio.to_thread(entered.wait, 60)
-        second = asyncio.create_task(tokens(EncoderRequest(audio=CLIP)))  # waits for the audio thread
+        with pytest.raises(Overloaded, match="the most one client may .1: half of --max-audio-requests 2"):
+            await tokens(EncoderRequest(audio=CLIP))
+        second = asyncio.create_task(tokens(EncoderRequest(audio=CLIP), "b"))  # waits for the audio thread
         await asyncio.sleep(0)
         with pytest.raises(Overloaded, match="--max-audio-requests 2"):
-            await tokens(EncoderRequest(audio=CLIP))
+            await tokens(EncoderRequest(audio=CLIP), "c")
         tensor = EncoderFeatures((1, 80, 3000), "float32", np.zeros((1, 80, 3000), "<f4").tobytes())
         assert len(await tokens(EncoderRequest(features=tensor))) == 4, "text-path requests never wait for audio"
         assert not first.done()

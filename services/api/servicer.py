@@ -4,8 +4,9 @@ It holds no generation logic. With API keys configured, every Generator call mus
 (the health and reflection services stay open for probes); its tenant enters the request. Status
 codes: Unauthenticated -> UNAUTHENTICATED, InvalidRequest -> INVALID_ARGUMENT, RequestOutOfRange
 -> OUT_OF_RANGE, FailedPrecondition (messages without a chat template) -> FAILED_PRECONDITION,
-Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, anything
-unexpected -> INTERNAL (a bug, logged with its traceback). Oversized messages never get here: gRPC
+Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, Unavailable (the scheduler
+stopped: the worker is exiting) -> UNAVAILABLE, anything unexpected -> INTERNAL (a bug, logged with
+its traceback). ``door`` refuses a call its engine would refuse before the call's body is read. Oversized messages never get here: gRPC
 refuses them with RESOURCE_EXHAUSTED; nor do requests that do not parse, nor a TokenizeRequest
 larger than any valid one (``size_check``, before it is parsed): services/api/method_handlers.py
 answers them INVALID_ARGUMENT. A call counts against its client's fair share (its tenant, else its
@@ -29,6 +30,7 @@ from cachestore.ratelimit import RateLimitedLog
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.api_keys import ApiKeys
+from services.engine.door import Ticket
 from services.engine.encoder_input import EncoderFeatures, EncoderRequest
 from services.engine.engine import Engine
 from services.engine.fair_share import FORWARDED_ADDRESS, client_of
@@ -51,6 +53,7 @@ from services.errors import (
     Overloaded,
     RequestOutOfRange,
     Unauthenticated,
+    Unavailable,
 )
 from services.runtime.chat_template import Message
 
@@ -82,6 +85,8 @@ def status_for(exc: Exception) -> grpc.StatusCode:
         return grpc.StatusCode.FAILED_PRECONDITION
     if isinstance(exc, Unauthenticated):
         return grpc.StatusCode.UNAUTHENTICATED
+    if isinstance(exc, Unavailable):
+        return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
 
 
@@ -236,6 +241,17 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             _refused.warning("refused a call without a valid API key from %s", context.peer())
             await _abort(context, exc)
 
+    async def door(self, method: str, context: grpc.aio.ServicerContext) -> Ticket | None:
+        """Before the call's body is read: aborts it RESOURCE_EXHAUSTED when the engine would refuse
+        it anyway (``Engine.door``), else returns the place it holds (None for GetModelInfo)."""
+        if method == "GetModelInfo":
+            return None
+        tenant = self._tenant(context)
+        try:
+            return self._engine.door(self._client(context, tenant), generate=method == "Generate")
+        except (Overloaded, Unavailable) as exc:
+            await _abort(context, exc)
+
     def _tenant(self, context: grpc.aio.ServicerContext) -> str:
         """The caller's tenant ("" without API keys); raises Unauthenticated."""
         if self._api_keys is None:
@@ -252,28 +268,32 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
         forwarded = next((v for k, v in context.invocation_metadata() or () if k == FORWARDED_ADDRESS), None)
         return client_of(tenant, context.peer() or "", forwarded if isinstance(forwarded, str) else None)
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext,
+                       place: Ticket | None = None) -> AsyncIterator[pb.GenerateResponse]:
         try:
             # aclosing: when the call is cancelled while this handler waits to send, the engine's
             # stream is closed now (halting its token loop), not whenever it is collected.
             tenant = self._tenant(context)
             generation = engine_request(request, self._engine.limits.stop_strings, tenant, self._client(context, tenant))
-            async with contextlib.aclosing(self._engine.generate(generation)) as stream:
+            async with contextlib.aclosing(self._engine.generate(generation, place)) as stream:
                 async for chunk in stream:
                     yield response_message(chunk)
         except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never as UNKNOWN
             await _abort(context, exc)
 
-    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> bytes:
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext,
+                       place: Ticket | None = None) -> bytes:
         try:
+            tenant = self._tenant(context)
             return await self._engine.tokenize(TokenizeRequest(
                 text=request.text or None, token_ids=request.token_ids or None,
                 messages=chat_messages(request.messages) or None,
-            ), tokenize_response)
+            ), tokenize_response, place, self._client(context, tenant))
         except Exception as exc:  # noqa: BLE001
             await _abort(context, exc)
 
-    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext,
+                           place: None = None) -> pb.GetModelInfoResponse:
         spec, session = self._engine.spec, self._engine.session
         return pb.GetModelInfoResponse(
             name=spec.name,

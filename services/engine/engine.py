@@ -34,6 +34,7 @@ from cachestore.keys import BlockHash, Namespace
 from cachestore.stats import CacheStats
 from cachestore.storage_dtype import resolve, storage_dtype
 from cachestore.store import KVStore
+from services.engine.door import Ticket, Tickets
 from services.engine.engine_options import EngineOptions, derived_max_batch
 from services.engine.fair_share import ClientShares
 from services.engine.generation import (
@@ -47,7 +48,7 @@ from services.engine.generation import (
 from services.engine.input_processor import InputProcessor
 from services.engine.kv_connector.connector import ConnectorOptions, KVConnector
 from services.engine.kv_connector.fetch_policy import PrefixFetch
-from services.engine.off_loop import BoundedOffLoop, OffLoop
+from services.engine.off_loop import OffLoop
 from services.engine.output_processor import OutputProcessor, StreamEnd
 from services.engine.request_limits import limits_for
 from services.engine.run_waits import PrefillPace
@@ -136,8 +137,10 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.connector.scheduler_side, scheduling, self._read_pool)
         self._off_loop = OffLoop(options.tokenizer_threads)
         self._warming: threading.Thread | None = None
-        self._audio_loop = BoundedOffLoop(options.audio_threads, options.max_audio_requests,
-                                          f"requests with audio (--max-audio-requests {options.max_audio_requests}) are")
+        self._audio_loop = OffLoop(options.audio_threads)
+        self._tokenize_loop = OffLoop(1)
+        self.audio_door = Tickets(options.max_audio_requests, "requests with audio", "--max-audio-requests")
+        self.tokenize_door = Tickets(options.max_tokenize_requests, "Tokenize calls", "--max-tokenize-requests")
         self.limits = limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
                                  options.max_stop_string_bytes, options.max_answer_bytes)
         self.inputs = InputProcessor(spec, session, encoder, tokenizer, self.limits, options.max_new_tokens_cap,
@@ -249,6 +252,7 @@ class Engine:
         self.connector.close()
         self._off_loop.close()
         self._audio_loop.close()
+        self._tokenize_loop.close()
 
     async def wait_for_publishes(self) -> None:
         """Returns once every publish scheduled so far has reached the store (or failed)."""
@@ -270,26 +274,47 @@ class Engine:
         """The prompt text of ``messages`` by the folder's chat template (``InputProcessor.render_chat``)."""
         return self.inputs.render_chat(messages)
 
-    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R]) -> R:
-        """The Tokenize call (``InputProcessor.tokenize``)."""
-        return await self.inputs.tokenize(request, shape)
+    def door(self, client: str, generate: bool) -> Ticket | None:
+        """Asked by a face before it reads a call's body: raises ``Overloaded`` when the call would
+        be refused anyway (a full worker, a client over its share, every audio or Tokenize place
+        taken), so that a refusal costs no body, no parsing and no tokenizing. Returns the place
+        the call holds (give it to ``generate`` or ``tokenize``; release it if the call ends
+        before), or None. ``generate``: a Generate call, else a Tokenize call."""
+        if not generate:
+            return self.tokenize_door.take(client)
+        self.scheduler.check_room(client)
+        return self.audio_door.take(client) if self.spec.audio is not None else None
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationChunk]:
+    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R],
+                       ticket: Ticket | None = None, client: str = "") -> R:
+        """The Tokenize call (``InputProcessor.tokenize``) on the Tokenize thread, under ``ticket``
+        (the door's place; without one, a place is taken here for ``client``)."""
+        with ticket or self.tokenize_door.take(client):
+            return await self.inputs.tokenize(request, shape, self._tokenize_loop)
+
+    async def generate(self, request: GenerationRequest, ticket: Ticket | None = None) -> AsyncIterator[GenerationChunk]:
         """Yields chunks until every sample has ended; validation errors and ``Overloaded`` raise
         before the first chunk. Closing the stream (cancel, deadline, client gone) frees every
-        slot of the request at the scheduler's next step."""
+        slot of the request at the scheduler's next step. ``ticket``: the place ``door`` gave the
+        call, held until the request is prepared (a request with audio and none takes one here)."""
         t0 = time.perf_counter()
-        # A full worker, or a client over its share, is refused before the work of preparing
-        # (tokenizing; audio: up to a second of decoding): the rows are held from here on.
-        reservation = self.scheduler.reserve(request.client, request.rows)
+        if ticket is None and request.encoder.audio:
+            ticket = self.audio_door.take(request.client)
         try:
-            prepared = await self.inputs.prepare_async(request)
-            rows = self.inputs.rows(request, prepared, t0, lambda cache, count: self.connector.states(
-                cache, request.tenant, prepared.encoder_input, count))
-            self.scheduler.submit(rows, reservation)
-        except BaseException:
-            self.scheduler.cancel(reservation)
-            raise
+            # A full worker, or a client over its share, is refused before the work of preparing
+            # (tokenizing; audio: up to a second of decoding): the rows are held from here on.
+            reservation = self.scheduler.reserve(request.client, request.rows)
+            try:
+                prepared = await self.inputs.prepare_async(request)
+                rows = self.inputs.rows(request, prepared, t0, lambda cache, count: self.connector.states(
+                    cache, request.tenant, prepared.encoder_input, count))
+                self.scheduler.submit(rows, reservation)
+            except BaseException:
+                self.scheduler.cancel(reservation)
+                raise
+        finally:
+            if ticket is not None:
+                ticket.release()
         self.stats.started += 1
         self.stats.active += 1
         ended = StreamEnd()

@@ -52,8 +52,13 @@ class EngineOptions:
     audio_threads: int = 1
     """Threads that decode requests' audio (WAV, resampling, log-mel), apart from the tokenizer's."""
     max_audio_requests: int = 8
-    """Requests with audio being decoded or waiting for an audio thread; one more is refused
-    (RESOURCE_EXHAUSTED) at once, before its audio is read."""
+    """Requests with audio from the door until prepared (their bodies read, their audio decoded or
+    waiting for an audio thread); one more is refused (RESOURCE_EXHAUSTED) at once, before its body
+    is read. One client holds at most half of them."""
+    max_tokenize_requests: int = 4
+    """Tokenize calls in progress (from the door to their answer), on a thread of their own, so
+    that they never queue ahead of a request's tokenizing; one more is refused (RESOURCE_EXHAUSTED)
+    at once, before its body is read. One client holds at most half of them."""
     leases: LeaseOptions = field(default_factory=LeaseOptions)
     """Fleet-wide single-flight: leases on computing uncached blocks, and how long to wait for them."""
     window_fetch: bool = True

@@ -131,12 +131,13 @@ class InputProcessor:
         except BrokenChatTemplate as exc:
             raise FailedPrecondition(str(exc)) from exc
 
-    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R]) -> R:
+    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R], on: OffLoop) -> R:
         """The Tokenize call: text or messages to ids, or ids to text; returns ``shape(result)``.
-        Sizes are checked on the event loop; the rest, ``shape`` included, runs on a tokenizer
-        thread: turning a million ids into the caller's message must not hold the loop."""
+        Sizes are checked on the event loop; the rest, ``shape`` included, runs ``on`` a thread
+        (the engine's Tokenize thread, never the requests' tokenizer threads): turning a million
+        ids into the caller's message must not hold the loop."""
         self.limits.check_tokenize(request)
-        return await self._off_loop.run(lambda r: shape(self._tokenize(r)), request)
+        return await on.run(lambda r: shape(self._tokenize(r)), request)
 
     def rows(self, request: GenerationRequest, prepared: PreparedRequest, t0: float,
              kv_states: Callable[[CacheControl, int], list[SequenceKV]]) -> list[Sequence]:

@@ -48,7 +48,7 @@ from services.engine.lifecycle import wake_consumers
 from services.engine.runner import ModelRunner
 from services.engine.sequence import Phase, Sequence
 from services.engine.step_plan import SchedulerStats, StepPlan
-from services.errors import Overloaded
+from services.errors import Overloaded, Unavailable
 
 log = logging.getLogger(__name__)
 IDLE_RECHECK_S = 0.05
@@ -123,6 +123,11 @@ class Scheduler:
         self.life = runner.lifecycle
         self._read_pool = read_pool
         self._closed = False
+        self.died: BaseException | None = None
+        """What stopped the scheduler thread (a bug: ``schedule`` raised), once it has."""
+        self.on_death: list[Callable[[BaseException], None]] = []
+        """Called on the scheduler thread, once, after the thread's fatal error failed every
+        request in flight (the server turns NOT_SERVING and exits)."""
         self._thread = threading.Thread(target=self._run, name="kv-scheduler", daemon=True)
         self._thread.start()
 
@@ -145,6 +150,15 @@ class Scheduler:
         """Sequences (rows) waiting for a slot."""
         return self.life.queued
 
+    def check_room(self, client: str) -> None:
+        """Raises ``Overloaded`` (counted) when a one-row request of ``client`` would be refused now
+        (``reserve``'s answer, nobody pushed out): asked at the door before a call's body is read.
+        It reserves nothing; ``reserve`` decides again once the request is known."""
+        with self.life.cond:
+            self._refuse_over_share(client, 1)
+            if self._victims(client, 1) is None:
+                raise self._full()
+
     def reserve(self, client: str, rows: int) -> Reservation:
         """Reserves ``rows`` rows for a request of ``client`` before it is prepared, or raises
         ``Overloaded`` (counted) at once: the worker is full counting every request that passed
@@ -152,45 +166,68 @@ class Scheduler:
         to validation, which says why."""
         life = self.life
         with life.cond:
-            if self._closed:
-                raise Overloaded("the worker is shutting down; retry on another replica")
             if not 1 <= rows <= self.options.max_batch:
+                self._refuse_closed()
                 return Reservation(client, 0)
-            shares = life.shares
-            if shares.over(client, rows):
-                life.stats.rejected += 1
-                life.stats.client_rejected += 1
-                raise Overloaded(
-                    f"this client ({client or 'in-process'}) already holds {shares.held[client]} rows being prepared, "
-                    f"queued or running; at most {shares.max_rows} per client (--max-client-rows): end or read "
-                    "its streams, or retry later")
+            self._refuse_over_share(client, rows)
             if not self._push_out(client, rows):
                 raise self._full()
-            shares.take(client, rows)
+            life.shares.take(client, rows)
             return Reservation(client, rows)
 
-    def _push_out(self, client: str, rows: int) -> bool:
-        """Whether ``rows`` more of ``client`` fit, after making room in a full worker: the newest
-        queued requests of the clients holding the most rows are refused, while such a client holds
-        more than ``client`` would, and only if that makes room (lock held). A client alone keeps
-        the whole queue; clients contending for it end up holding equal parts."""
+    def _refuse_closed(self) -> None:
+        """Raises ``Unavailable`` once the scheduler thread died, ``Overloaded`` while the worker
+        shuts down (lock held)."""
+        if self.died is not None:
+            raise Unavailable(f"this worker's scheduler stopped ({type(self.died).__name__}: {self.died}); it is "
+                              "exiting: retry on another replica")
+        if self._closed:
+            raise Overloaded("the worker is shutting down; retry on another replica")
+
+    def _refuse_over_share(self, client: str, rows: int) -> None:
+        """Raises ``Overloaded`` (counted) when the worker is closing or ``rows`` more would put
+        ``client`` over its share (lock held)."""
+        life = self.life
+        self._refuse_closed()
+        if life.shares.over(client, rows):
+            life.stats.rejected += 1
+            life.stats.client_rejected += 1
+            raise Overloaded(
+                f"this client ({client or 'in-process'}) already holds {life.shares.held[client]} rows being prepared, "
+                f"queued or running; at most {life.shares.max_rows} per client (--max-client-rows): end or read "
+                "its streams, or retry later")
+
+    def _victims(self, client: str, rows: int) -> list[list[Sequence]] | None:
+        """The queued requests to refuse so that ``rows`` more of ``client`` fit a full worker, or
+        None when refusing every one that may be would not make room (lock held): the newest
+        queued requests of the clients holding the most rows, while such a client holds more than
+        ``client`` would. A client alone keeps the whole queue; clients contending for it end up
+        holding equal parts."""
         life = self.life
         reserved = life.shares.reserved
         if self._place(rows, reserved) is not None:
-            return True
+            return []
         held, victims = Counter(life.shares.held), []
         mine = held[client] + rows
         while True:
             queued = [r for r in life.queue if r[0].client != client and held[r[0].client] > mine
                       and not any(r is v for v in victims)]
             if not queued:
-                return False  # even refusing every request it may would not make room: refuse none
+                return None
             most = max(held[r[0].client] for r in queued)
             victim = next(r for r in reversed(queued) if held[r[0].client] == most)
             victims.append(victim)
             held[victim[0].client] -= len(victim)
             if self._place(rows, reserved, victims) is not None:
-                break
+                return victims
+
+    def _push_out(self, client: str, rows: int) -> bool:
+        """Whether ``rows`` more of ``client`` fit, after refusing the queued requests ``_victims``
+        names (lock held)."""
+        life = self.life
+        victims = self._victims(client, rows)
+        if victims is None:
+            return False
         for victim in victims:
             life.stats.pushed_out += 1
             exc = Overloaded(
@@ -211,9 +248,9 @@ class Scheduler:
             if reservation.open:
                 reservation.open = False
                 life.shares.placed(reservation.rows)
-            if self._closed:
+            if self._closed or self.died is not None:
                 life.shares.release(reservation.client, reservation.rows)
-                raise Overloaded("the worker is shutting down; retry on another replica")
+                self._refuse_closed()
             place = self._place(len(rows))
             if place == "start":
                 self._start(rows)
@@ -367,16 +404,19 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Reaps aborted sequences, hands free slots to the queue, and decides the next step (lock held)."""
         life = self.life
+        plan = StepPlan()
         for seq in [s for s in life.active if s.aborted]:
             if seq.stopped:
-                life.complete(seq)
+                # Completed by the caller once the lock is given back: publishing the answer
+                # copies its K/V, which must not hold up the door or the consumers.
+                plan.completing.append(seq)
             else:
                 life.stats.aborted += 1
                 life.finish(seq)
         for seq in life.active:
-            if seq.phase is Phase.DECODING:  # a client may have read since the sequence paused
+            if seq.phase is Phase.DECODING and not seq.aborted:  # a client may have read since it paused
                 life.set_paused(seq, life.unread_full(seq))
-        for seq in [s for s in life.active if s.paused and self._paused_too_long(s)]:
+        for seq in [s for s in life.active if s.paused and not s.aborted and self._paused_too_long(s)]:
             life.fail(seq, Overloaded(
                 f"stream paused for {self.options.max_paused_s:g} s with {len(seq.outbox)} tokens unread "
                 "(--max-paused-s): the client stopped reading; its slot was given to others"))
@@ -389,10 +429,11 @@ class Scheduler:
                 f"{self.options.yield_paused_s:g}): its slot was given to the waiting client; read streams as they come"))
             life.touch(seq)
         self._admit()
-        plan = StepPlan()
         plan.assemble = [s for s in life.active if s.phase is Phase.PREFILLING and not s.assembled]
         budget = self.options.max_prefill_tokens_per_step
         for seq in life.active:
+            if seq.aborted:
+                continue
             if seq.phase is Phase.DECODING:
                 if not seq.paused:
                     plan.decode.append(seq)
@@ -431,6 +472,32 @@ class Scheduler:
         return min(threading.TIMEOUT_MAX, max(0.0, min(paused) + patience - time.monotonic()))
 
     def _run(self) -> None:
+        try:
+            self._steps()
+        except BaseException as exc:  # noqa: BLE001 - whatever stops this thread must be told, never swallowed
+            self._die(exc)
+
+    def _die(self, exc: BaseException) -> None:
+        """The thread's end on a bug in planning (``schedule`` raised, its state no longer to be
+        trusted): logged once with the requests in flight, each of them failed ``Unavailable``,
+        new ones refused, and ``on_death`` told, so the worker stops rather than hangs."""
+        life = self.life
+        with life.cond:
+            self.died = exc
+            in_flight = [*life.active, *(seq for rows in life.queue for seq in rows)]
+        ids = sorted({seq.request_id or "(no id)" for seq in in_flight})
+        log.critical("the scheduler thread stopped on %s: %s; failing the %d requests in flight (%s), reporting "
+                     "NOT_SERVING and exiting", type(exc).__name__, exc, len(ids), ", ".join(ids[:20]) +
+                     (f" and {len(ids) - 20} more" if len(ids) > 20 else ""), exc_info=exc)
+        try:
+            life.fail_all(in_flight, Unavailable(f"this worker's scheduler stopped ({type(exc).__name__}); it is "
+                                                 "exiting: retry on another replica"))
+            life.deliver()
+        finally:
+            for tell in self.on_death:
+                tell(exc)
+
+    def _steps(self) -> None:
         life = self.life
         while True:
             with life.cond:
@@ -444,9 +511,15 @@ class Scheduler:
                     # or read) notifies; the bound covers a paused row running out of patience.
                     life.cond.wait(min(self._idle_timeout() or IDLE_RECHECK_S, IDLE_RECHECK_S))
                     continue
+            for seq in plan.completing:
+                life.complete(seq)
+            if not plan.runs:
+                continue
             try:
                 self.runner.execute(plan)
             except Exception as exc:  # noqa: BLE001 - a bug here must fail its sequences, never stop the worker
-                log.exception("scheduler step failed")
-                life.fail_all([*plan.decode, *(seq for seq, _ in plan.prefill)], exc)
+                rows = [*plan.decode, *(seq for seq, _ in plan.prefill)]
+                log.exception("a model step failed; failing its %d rows (requests %s)", len(rows),
+                              ", ".join(sorted({seq.request_id or "(no id)" for seq in rows})))
+                life.fail_all(rows, exc)
                 life.deliver()

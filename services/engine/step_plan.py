@@ -24,9 +24,18 @@ class StepPlan:
     """Blocks another worker published since the sequence stopped waiting for them (``Trail``):
     they go into its slot after what it holds."""
 
+    completing: list[Sequence] = field(default_factory=list)
+    """Sequences a stop string ended: their answers are published and their slots freed before
+    the step runs, outside the scheduler's lock (``Lifecycle.complete``)."""
+
+    @property
+    def runs(self) -> bool:
+        """Whether the runner has anything to do."""
+        return bool(self.decode or self.prefill or self.share or self.assemble or self.adopt)
+
     @property
     def empty(self) -> bool:
-        return not self.decode and not self.prefill and not self.share and not self.assemble and not self.adopt
+        return not self.runs and not self.completing
 
 
 @dataclass(slots=True)

@@ -1,0 +1,91 @@
+"""Places at a worker's door for calls whose bodies or work are large: requests with audio (their
+bodies up to the message limit, up to ~1.4 s of decoding) and Tokenize calls (up to a context's
+worth of text to tokenize, beside no slot that would bound them).
+
+A face takes a ``Ticket`` before it reads the call's body, so a call refused here has cost the
+worker its headers only, and a flood of such calls holds at most ``capacity`` bodies in memory.
+The ticket is given back once the work it admits is done (audio: the request prepared; Tokenize:
+its answer made), or when the call ends before that.
+
+Invariants: at most ``capacity`` tickets are out at once, and at most ``per_client`` of them to one
+client (``fair_share.client_of``), so one client cannot take every place; a refusal is decided at
+once (``Overloaded``, counted in ``refused``), never by waiting.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+
+from services.errors import Overloaded
+
+
+def client_part(capacity: int) -> int:
+    """Places one client may hold: half of them, rounded up (all of one)."""
+    return max(1, (capacity + 1) // 2)
+
+
+@dataclass(slots=True)
+class Tickets:
+    """Places of one kind of call; ``what`` names the calls in refusals."""
+
+    capacity: int
+    what: str
+    flag: str
+    """The setting of ``capacity``, named in refusals."""
+    per_client: int = 0
+    """0: ``client_part(capacity)``."""
+    held: Counter[str] = field(default_factory=Counter)
+    refused: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.per_client:
+            self.per_client = client_part(self.capacity)
+
+    @property
+    def holding(self) -> int:
+        return sum(self.held.values())
+
+    def take(self, client: str) -> Ticket:
+        """A place for ``client``'s call, or ``Overloaded`` at once."""
+        with self._lock:
+            total = sum(self.held.values())
+            if total >= self.capacity:
+                self.refused += 1
+                raise Overloaded(f"{total} {self.what} already in progress, the most this worker takes ({self.flag} "
+                                 f"{self.capacity}); retry later or on another replica")
+            if self.held[client] >= self.per_client:
+                self.refused += 1
+                raise Overloaded(f"this client ({client or 'in-process'}) already has {self.held[client]} {self.what} in "
+                                 f"progress, the most one client may ({self.per_client}: half of {self.flag} "
+                                 f"{self.capacity}); wait for them to end")
+            self.held[client] += 1
+        return Ticket(self, client)
+
+    def _give_back(self, client: str) -> None:
+        with self._lock:
+            self.held[client] -= 1
+            if not self.held[client]:
+                del self.held[client]
+
+
+@dataclass(slots=True, eq=False)
+class Ticket:
+    """One place, held until ``release`` (idempotent); a context manager that releases it."""
+
+    tickets: Tickets
+    client: str
+    open: bool = True
+
+    def release(self) -> None:
+        if self.open:
+            self.open = False
+            self.tickets._give_back(self.client)
+
+    def __enter__(self) -> Ticket:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
