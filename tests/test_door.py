@@ -1,0 +1,161 @@
+"""The door comes before the body: a call the worker would refuse (every Tokenize or audio place
+taken, a client over its half of them) is refused RESOURCE_EXHAUSTED on its headers, before gRPC
+reads its request message. A place is held here by a call whose message has not come yet (sent as
+a request stream that waits on an event): what the worker admits, it must hold a place for until
+the body arrives, so a flood behind it finds the door shut. Nothing here waits on time: each step
+waits for a refusal or an answer."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import pytest
+from conftest import wait_until
+from test_encoder_audio import CLIP, PROMPT, whisper_audio  # noqa: F401 - the fixture is used here too
+
+from kvshare.v1 import generator_pb2 as pb
+from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.local.worker_process import WorkerProcess
+
+pytestmark = pytest.mark.subprocess
+
+TOKENIZE, GENERATE = "/kvshare.v1.Generator/Tokenize", "/kvshare.v1.Generator/Generate"
+BIG_TEXT = "lorem ipsum " * 50_000  # 600 KB: seconds of tokenizing, were it read
+AUDIO_BYTES = 20 * 1024 * 1024
+
+
+@contextmanager
+def held_call(channel: grpc.Channel, method: str, request, streaming: bool) -> Iterator[threading.Event]:
+    """A call to ``method`` whose request message is sent only once the yielded event is set (the
+    call goes out as a request stream: on the wire, the same as a unary request that is slow to
+    come); on leaving, the event is set and the call's outcome awaited."""
+    send = threading.Event()
+
+    def messages():
+        send.wait(120)
+        yield request
+
+    serialize = type(request).SerializeToString
+    if streaming:
+        call = channel.stream_stream(method, request_serializer=serialize, response_deserializer=pb.GenerateResponse.FromString)
+        outcome = call(messages(), timeout=120)
+    else:
+        call = channel.stream_unary(method, request_serializer=serialize, response_deserializer=pb.TokenizeResponse.FromString)
+        outcome = call.future(messages(), timeout=120)
+    try:
+        yield send
+    finally:
+        send.set()
+        if streaming:
+            assert [m for m in outcome], "the held call was answered once its message came"
+        else:
+            assert outcome.result().token_ids, "the held call was answered once its message came"
+
+
+def refused(call) -> grpc.RpcError | None:
+    """The RESOURCE_EXHAUSTED refusal of ``call()``, or None when it was answered."""
+    try:
+        call()
+    except grpc.RpcError as exc:
+        assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+        return exc
+    return None
+
+
+@pytest.fixture(scope="module")
+def tokenize_worker(tiny_model):
+    with WorkerProcess(tiny_model, "--max-tokenize-requests", "2") as worker:
+        yield worker
+
+
+def test_a_tokenize_flood_is_refused_at_the_door_and_generate_never_waits_behind_it(tokenize_worker):
+    """With --max-tokenize-requests 2, one client holds at most 1 place: while its held call waits
+    for its body, every Tokenize of that client is refused at the door, a flood of 600 KB bodies
+    included, and its Generate calls are served meanwhile (they never queue behind Tokenize)."""
+    with grpc.insecure_channel(tokenize_worker.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        with held_call(channel, TOKENIZE, pb.TokenizeRequest(text="hello"), streaming=False):
+            def probe() -> grpc.RpcError | None:
+                return refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60))
+
+            wait_until(lambda: probe() is not None, 60, "the held call's place")
+            flood = [stub.Tokenize.future(pb.TokenizeRequest(text=BIG_TEXT), timeout=60) for _ in range(20)]
+            outcomes = [refused(f.result) for f in flood]
+            assert all(outcomes), "every Tokenize of the client holding its place was refused"
+            assert all("the most one client may (1: half of --max-tokenize-requests 2)" in e.details() for e in outcomes)
+            answer = list(stub.Generate(pb.GenerateRequest(prompt="hello", max_new_tokens=3, ignore_eos=True),
+                                        timeout=60))
+            assert sum(len(m.token_ids) for m in answer) == 3
+        assert stub.Tokenize(pb.TokenizeRequest(text="hello again"), timeout=60).token_ids
+
+
+class CountingProxy:
+    """A TCP relay in front of ``target`` that counts the bytes it passed from client to server."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit(":", 1)
+        self._upstream = (host, int(port))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.target = f"127.0.0.1:{self._listener.getsockname()[1]}"
+        self.upstream_bytes = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._upstream)
+            threading.Thread(target=self._pipe, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, False), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, upstream: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+                if upstream:
+                    with self._lock:
+                        self.upstream_bytes += len(data)
+        except OSError:
+            pass
+        finally:
+            for s in (source, sink):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_audio_beyond_the_door_is_refused_before_its_body_is_read(whisper_audio):  # noqa: F811
+    """--max-audio-requests 2: one client holds 1 place. While its held call waits, a 20 MiB audio
+    request of the same client is refused RESOURCE_EXHAUSTED, and no more than HTTP/2 flow control
+    lets a client send unread crossed the wire: one stream window, which gRPC's BDP probing grows
+    to 4 MiB on a fresh connection (4,194,791 bytes here; 64 KiB without it). Read whole, as a unary
+    registration does before any handler runs, all 20 MiB would have crossed."""
+    with WorkerProcess(whisper_audio, "--max-audio-requests", "2") as worker, \
+            grpc.insecure_channel(worker.target) as channel:
+        held = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, ignore_eos=True, encoder_audio=CLIP)
+        with held_call(channel, GENERATE, held, streaming=True):
+            stub = pb_grpc.GeneratorStub(channel)
+            probe = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=1, encoder_audio=CLIP)
+            wait_until(lambda: refused(lambda: list(stub.Generate(probe, timeout=60))) is not None, 60,
+                       "the held call's place")
+            proxy = CountingProxy(worker.target)
+            try:
+                with grpc.insecure_channel(proxy.target, options=[("grpc.max_send_message_length", 64 << 20)]) as far:
+                    big = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=1,
+                                             encoder_audio=CLIP + b"\0" * (AUDIO_BYTES - len(CLIP)))
+                    exc = refused(lambda: list(pb_grpc.GeneratorStub(far).Generate(big, timeout=60)))
+                    assert exc is not None and "--max-audio-requests 2" in exc.details(), exc
+                    assert proxy.upstream_bytes < AUDIO_BYTES // 4, f"{proxy.upstream_bytes} bytes of the refused call were sent"
+            finally:
+                proxy.close()
