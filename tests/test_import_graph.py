@@ -237,6 +237,7 @@ ENGINE_ROOMS = {
     "services.engine.input_processor": "processors",
     "services.engine.output_processor": "processors",
     "services.engine.scheduler": "scheduler",
+    "services.engine.admission": "scheduler",
     "services.engine.runner": "runner",
 }
 """The rooms of ``services/engine/`` (docs/design.md, "The rooms of the engine"); the KV connector's

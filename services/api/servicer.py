@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import NoReturn
 
@@ -119,7 +120,7 @@ def suppressed_ids(ids) -> list[int] | None:
 
 
 def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: str = "",
-                   client: str = "") -> GenerationRequest:
+                   client: str = "", deadline: float | None = None) -> GenerationRequest:
     sampling = request.sampling
     return GenerationRequest(
         prompt=request.prompt or None,
@@ -153,6 +154,7 @@ def engine_request(request: pb.GenerateRequest, max_stop_strings: int, tenant: s
         ),
         tenant=tenant,
         client=client,
+        deadline=deadline,
         min_new_tokens=request.min_new_tokens,
         stop_token_ids=list(request.stop_token_ids[: MAX_STOP_TOKEN_IDS + 1]),
         include_stop_str_in_output=request.include_stop_str_in_output,
@@ -274,7 +276,9 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             # aclosing: when the call is cancelled while this handler waits to send, the engine's
             # stream is closed now (halting its token loop), not whenever it is collected.
             tenant = self._tenant(context)
-            generation = engine_request(request, self._engine.limits.stop_strings, tenant, self._client(context, tenant))
+            left = context.time_remaining()
+            generation = engine_request(request, self._engine.limits.stop_strings, tenant, self._client(context, tenant),
+                                        None if left is None else time.monotonic() + left)
             async with contextlib.aclosing(self._engine.generate(generation, place)) as stream:
                 async for chunk in stream:
                     yield response_message(chunk)

@@ -87,6 +87,10 @@ class GenerationRequest:
     client: str = ""
     """Whose share the request counts against (``fair_share.client_of``: its tenant, else its
     address); "" for in-process callers."""
+    deadline: float | None = None
+    """``time.monotonic()`` at which the caller stops waiting (its gRPC deadline); None: never. A
+    request still queued when its own prompt could no longer be prefilled by then is refused
+    ``Overloaded`` rather than left to end DEADLINE_EXCEEDED (``Scheduler``)."""
     return_logits: bool = False
     """Attach each generated position's logits to the chunks (engine-level checks; not in the API)."""
     min_new_tokens: int = 0

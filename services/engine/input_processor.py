@@ -186,6 +186,7 @@ class InputProcessor:
                 index=i,
                 ready=ready,
                 client=request.client,
+                deadline=request.deadline,
                 unread_limit=unread,
                 stream_interval=interval,
             ))

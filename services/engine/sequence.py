@@ -90,6 +90,8 @@ class Sequence:
     beam_score: float | None = None
     client: str = ""
     """Who sent the request (``fair_share.client_of``): the share its rows count against."""
+    deadline: float | None = None
+    """``time.monotonic()`` at which its caller stops waiting (``GenerationRequest.deadline``)."""
     unread_limit: int = 256
     """Tokens the consumer may leave unread before the row pauses (``output_processor.unread_limit``)."""
     stream_interval: int = 1
