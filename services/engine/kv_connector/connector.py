@@ -13,6 +13,7 @@ from cachestore.prefix import CANONICAL_LAYOUT, KVGeometry, PrefixStore
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
 from services.engine.generation import CacheControl
+from services.engine.kv_connector.deletions import Deletions
 from services.engine.kv_connector.encoder_runs import EncoderRuns
 from services.engine.kv_connector.fetch_policy import (
     FetchPolicy,
@@ -79,6 +80,7 @@ class KVConnector:
         self.cross = cross = CrossStore(store, cache_stats, options.max_value_bytes, storage_dtype)
         self.writes = PublishQueue(options.store_write_threads, options.max_pending_publishes,
                                    options.max_pending_publish_bytes, cache_stats)
+        self.deletions = Deletions(store, self.writes)
         leases = options.leases
         self.waits = RunWaits(leases.poll_ms, store.notices if leases.enabled else None, store.stall_budget)
         self.encodes = EncoderRuns()
@@ -92,7 +94,7 @@ class KVConnector:
             options.chunk_tokens, pace, self.waits, self.writes, fetch_policy, self.encodes)
         self.worker_side = KVConnectorWorker(
             self.prefix, cross, store, cache_stats, storage_dtype, spec.kv_bytes_per_token(model_kv_dtype.itemsize),
-            self.writes, self.encodes)
+            self.writes, self.deletions, self.encodes)
 
     @property
     def _layout(self) -> str:

@@ -65,10 +65,15 @@ class PublishQueue:
             self._pending_bytes -= nbytes
 
     async def drained(self) -> None:
-        """Returns once every write scheduled so far has reached the store (or failed)."""
-        with self._lock:
-            pending = list(self._pending)
-        if pending:
+        """Returns once every write scheduled so far has reached the store (or failed), with the
+        writes scheduled as those ended (``Deletions`` starts its job when a publish ends)."""
+        awaited: set[Future] = set()
+        while True:
+            with self._lock:
+                pending = [f for f in self._pending if f not in awaited]
+            if not pending:
+                return
+            awaited.update(pending)
             await asyncio.gather(*(asyncio.wrap_future(f) for f in pending), return_exceptions=True)
 
     def close(self) -> None:

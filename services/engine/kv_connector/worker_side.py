@@ -32,6 +32,7 @@ from cachestore.prefix import PrefixLookup, PrefixStore
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore
+from services.engine.kv_connector.deletions import Deletions
 from services.engine.kv_connector.encoder_runs import Encode, EncoderRuns
 from services.engine.kv_connector.publish_queue import PublishQueue, after
 from services.engine.kv_connector.scheduler_side import release_leases
@@ -50,7 +51,7 @@ class KVConnectorWorker:
     """Block copies into and out of slots, and the publishes they feed (scheduler thread)."""
 
     def __init__(self, prefix: PrefixStore, cross: CrossStore, store: KVStore, cache_stats: CacheStats,
-                 storage_dtype: np.dtype, kv_bytes_per_token: int, writes: PublishQueue,
+                 storage_dtype: np.dtype, kv_bytes_per_token: int, writes: PublishQueue, deletions: Deletions,
                  encodes: EncoderRuns) -> None:
         self.prefix = prefix
         self.cross = cross
@@ -60,6 +61,7 @@ class KVConnectorWorker:
         self._kv_bytes_per_token = kv_bytes_per_token
         """Bytes of one token's K/V in the slots (the model's own dtype): what a copy holds."""
         self.writes = writes
+        self.deletions = deletions
         self.encodes = encodes
         self._published: weakref.WeakSet[Future] = weakref.WeakSet()
         """Encoder runs whose cross K/V was published (scheduler thread): gone with their requests."""
@@ -238,10 +240,10 @@ class KVConnectorWorker:
         """When the first token's logits are NaN or infinite. Values that pass the codec's checks
         can still be forged; if any of this request's K/V came from the store or from another
         row, the values it read and the blocks it published over them are deleted (off the token
-        path, after its publishes in flight), counted as ``bad_output``, and the request
-        computes its whole prompt (and its cross K/V: ``encode``), reading and publishing
-        nothing: the next request publishes afresh. Returns False when nothing came from
-        elsewhere (the model itself failed)."""
+        path, after its publishes in flight, never dropped: ``Deletions``), counted as
+        ``bad_output``, and the request computes its whole prompt (and its cross K/V:
+        ``encode``), reading and publishing nothing: the next request publishes afresh. Returns
+        False when nothing came from elsewhere (the model itself failed)."""
         kv = seq.kv
         cached, cross = seq.usage.cached_prompt_tokens, seq.usage.encoder_cache_hit
         if not cached and not cross:
@@ -255,8 +257,7 @@ class KVConnectorWorker:
         self.cache_stats.count("rejected_values", RejectReason.BAD_OUTPUT)
         _distrusted.warning("request %s: NaN or infinite logits over %d cached prompt tokens; deleting %d values and "
                             "computing the prompt again", seq.request_id, cached, len(keys))
-        earlier = kv.publishing
-        self.writes.bounded(0, lambda: lambda: (after(earlier), self.store.delete(keys)))
+        self.deletions.add(keys, kv.publishing)
         release_leases([seq], self.writes)
         kv.lookup = PrefixLookup(hashes=kv.lookup.hashes, blocks=[])
         kv.trail = None
