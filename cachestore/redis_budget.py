@@ -5,11 +5,13 @@ call waits in four places, each given ``budget.wait_s(its timeout)`` and charged
 times out: a pooled connection to come free (``BlockingConnectionPool``'s queue), a connection
 to open (TCP connect, and a TLS handshake: one wait, charged the larger of the connect and op
 timeouts), a command to be sent, and each reply (a handshake's ``HELLO`` included). redis-py's
-retries (the client's one retry, the reconnect's own) are made of these waits, so they need
-nothing of their own: a retry after the budget is spent fails at once, without touching the
-socket. A reply due on a connection that will not be read drops the connection (out of step).
+retries (the client's one retry, ``connect``'s) are made of these waits, so they need nothing of
+their own: a retry after the budget is spent fails at once, without touching the socket. A reply
+due on a connection that will not be read drops the connection (out of step).
 
-Without an active budget every wait gets its configured timeout, as plain redis-py gives it.
+Without an active budget every wait gets its configured timeout, as plain redis-py gives it. Only
+redis-py's public API is used (documented constructor arguments, public methods and properties
+overridden in subclasses), so that a redis-py release that keeps its API keeps these bounds.
 """
 
 from __future__ import annotations
@@ -41,63 +43,79 @@ def _wait_s(timeout_s: float | None) -> float | None:
 
 
 def _charge(exc: BaseException, waited_s: float | None) -> None:
-    """Charges a wait that timed out, once: a wait inside another (a reconnect's handshake inside a
-    send) was charged where it timed out, and the same exception passing through the outer one
-    is not charged again."""
-    if waited_s is not None and not getattr(exc, "_kvshare_charged", False):
-        budget.charge(waited_s)
-        try:
-            exc._kvshare_charged = True
-        except AttributeError:  # an exception without a __dict__: charged here, and nowhere else it passes
-            pass
+    """Charges a wait that timed out, once: a wait inside another (a handshake's reply inside a
+    connect) was charged where it timed out, and the same exception passing through the outer one
+    is not charged again. A wait the budget refused to start waited nothing."""
+    if waited_s is None or isinstance(exc, StoreBudgetSpent) or getattr(exc, "_kvshare_charged", False):
+        return
+    budget.charge(waited_s)
+    try:
+        exc._kvshare_charged = True
+    except AttributeError:  # an exception without a __dict__: charged here, and nowhere else it passes
+        pass
 
 
 _NONE = object()
 
 
-def _set_timeout(sock, timeout_s: float | None) -> None:
-    """Gives the socket's next waits ``timeout_s`` (a system call only when it changes: a fetch
-    reads a reply per block)."""
-    if sock.gettimeout() != timeout_s:
-        sock.settimeout(timeout_s)
-
-
-def _capped_timeout(attribute: str) -> property:
-    """A timeout setting that reads as the configured one (kept in ``attribute``) within the
-    thread's budgets: what redis-py itself sets a socket to (after connecting, after a poll) stays
-    within them; every wait below sets its own timeout anyway."""
-
-    def get(self):
-        configured = getattr(self, attribute)
-        return budget.capped_s(configured) if configured is not None else configured
-
-    def set(self, value) -> None:
-        setattr(self, attribute, value)
-
-    return property(get, set)
+def _capped(configured_s: float | None) -> float | None:
+    return budget.capped_s(configured_s) if configured_s is not None else configured_s
 
 
 class _Budgeted:
-    """Mixin before a redis-py connection class (``budgeted``)."""
+    """Mixin before a redis-py connection class (``budgeted``), on redis-py's public API alone: it
+    overrides the ``socket_timeout`` and ``socket_connect_timeout`` properties and the
+    ``connect_check_health``, ``send_packed_command`` and ``read_response`` methods, and gives a
+    connected socket its next wait's timeout with ``update_current_socket_timeout`` (one system
+    call a wait). The configured timeouts stay where redis-py keeps them, read through the base
+    class's properties."""
 
-    socket_timeout = _capped_timeout("_socket_timeout")
-    socket_connect_timeout = _capped_timeout("_socket_connect_timeout")
+    @property
+    def socket_timeout(self) -> float | None:
+        """The configured op timeout within the thread's budgets: what redis-py gives a socket it
+        opens (and a TLS handshake on it); every wait below sets its own anyway."""
+        return _capped(super().socket_timeout)
 
-    def _connect(self):
-        connect_s = _wait_s(self._socket_connect_timeout)
-        op_s = _wait_s(self._socket_timeout)
+    @socket_timeout.setter
+    def socket_timeout(self, value: float | None) -> None:
+        super(_Budgeted, type(self)).socket_timeout.__set__(self, value)
+
+    @property
+    def socket_connect_timeout(self) -> float | None:
+        """The configured connect timeout within the thread's budgets: the TCP connect's wait."""
+        return _capped(super().socket_connect_timeout)
+
+    @socket_connect_timeout.setter
+    def socket_connect_timeout(self, value: float | None) -> None:
+        super(_Budgeted, type(self)).socket_connect_timeout.__set__(self, value)
+
+    def _op_wait_s(self) -> float | None:
+        """What the wait about to start may take: the op timeout within the budgets."""
+        return _wait_s(super().socket_timeout)
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        """Opens the connection if it is closed, in one attempt: the TCP connect and a TLS
+        handshake, one wait charged the larger of the connect and op timeouts (within the budget,
+        through the properties above), then the handshake's commands, budgeted where they are
+        sent and read. Never redis-py's retry of the socket connect inside it: each retry is the
+        caller's (the client's one retry of a command, ``connect``'s), an attempt of its own that
+        meets the budget again."""
+        if self.is_connected:
+            return
+        connect_s = _wait_s(super().socket_connect_timeout)
+        op_s = self._op_wait_s()
         try:
-            return super()._connect()  # reads the capped ``socket_connect_timeout`` and ``socket_timeout``
-        except TimeoutError as exc:  # socket.timeout: the TCP connect or a TLS handshake's read
+            super().connect_check_health(check_health, retry_socket_connect=False)
+        except redis.TimeoutError as exc:  # the connect or the handshake (redis-py's "Timeout connecting")
             waits = [s for s in (connect_s, op_s if isinstance(self, SSLConnection) else None) if s is not None]
             _charge(exc, max(waits) if waits else None)
             raise
 
     def send_packed_command(self, command, check_health=True):
-        if not self._sock:
+        if not self.is_connected:
             self.connect_check_health(check_health=False)  # its own waits, budgeted where they are
-        timeout = _wait_s(self._socket_timeout)
-        _set_timeout(self._sock, timeout)
+        timeout = self._op_wait_s()
+        self.update_current_socket_timeout(timeout)
         try:
             return super().send_packed_command(command, check_health=check_health)
         except redis.TimeoutError as exc:
@@ -108,12 +126,11 @@ class _Budgeted:
         if kwargs.get("timeout", _NONE) is not _NONE:
             return super().read_response(*args, **kwargs)  # a poll with a timeout of its own (pub/sub)
         try:
-            timeout = _wait_s(self._socket_timeout)
+            timeout = self._op_wait_s()
         except StoreBudgetSpent:
             self.disconnect()  # the reply asked for will not be read: the connection is out of step
             raise
-        if self._sock is not None:
-            _set_timeout(self._sock, timeout)
+        self.update_current_socket_timeout(timeout)
         try:
             return super().read_response(*args, **kwargs)
         except redis.TimeoutError as exc:

@@ -6,12 +6,15 @@ meets end to end.
 
 from __future__ import annotations
 
+import ast
 import threading
+from pathlib import Path
 
 import pytest
+from redis.connection import Connection
 from test_store_stall import OP_TIMEOUT_MS, redis, timed_out_waits  # noqa: F401 - fixtures
 
-from cachestore import budget
+from cachestore import budget, redis_budget
 from cachestore.budget import StallBudget, spending
 from cachestore.factory import REQUEST_OP_TIMEOUTS, StoreOptions, open_store
 from cachestore.stats import CacheStats
@@ -105,3 +108,20 @@ def test_one_pass_of_the_waits_thread_spends_one_budget_in_all():
         waits.close()
     assert seen == {"first": False, "second": True}
     assert ended == {"first": WaitEnd.RELEASED, "second": WaitEnd.RELEASED}
+
+
+def test_the_budgeted_connections_use_only_redis_pys_public_api():
+    """A private name of redis-py (an underscored attribute or method) may change in any release:
+    ``redis_budget`` overrides none, and every underscored name it touches is one it defines."""
+    tree = ast.parse(Path(redis_budget.__file__).read_text())
+    own = {node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef | ast.ClassDef)}
+    own |= {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+            for target in node.targets if isinstance(target, ast.Name)}
+    own |= {node.attr for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)}  # attributes it sets
+    touched = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+               and node.attr.startswith("_") and not node.attr.startswith("__")}
+    assert touched <= own, f"redis-py private names used: {sorted(touched - own)}"
+    overridden = [name for name in vars(redis_budget._Budgeted) if hasattr(Connection, name)
+                  and not name.startswith("__")]
+    assert overridden and not [name for name in overridden if name.startswith("_")], overridden
