@@ -82,6 +82,9 @@ class RejectReason(StrEnum):
     LEASE = "lease"
     """Counted by the signed store: a lease whose MAC verifies but that is not honoured, its signed
     expiry past or further ahead than the longest lease (``cachestore.lease_terms``): a replay."""
+    OVERSIZED = "oversized"
+    """Counted by the Redis store: a value longer than its reader's bound (a block's exact size, a
+    lease's largest, ``--cache-max-value-bytes``), read no further than one byte past it."""
     BAD_OUTPUT = "bad_output"
     """Counted by the engine, not the codec: values that passed every check, but the model's
     logits over them were NaN or infinite; the request's cached values are deleted and it is
@@ -107,6 +110,12 @@ class Expected:
     """Exact shape, or None to accept any shape (checked by the caller)."""
     authenticated: bool = False
     """The value's bytes were verified by a MAC already: the checksum pass is skipped."""
+
+
+def encoded_bytes(shape: tuple[int, ...], dtype: np.dtype) -> int:
+    """The length in bytes of ``encode``'s value of a tensor of ``shape`` and ``dtype``: the most a
+    reader that expects that shape reads (``KVStore.get``'s ``limit``)."""
+    return _FIXED.size + 4 * len(shape) + _TAIL.size + int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
 
 
 def encode(kind: ValueKind, owner: bytes, tensor: np.ndarray) -> bytes:

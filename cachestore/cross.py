@@ -20,6 +20,7 @@ from cachestore.codec import (
     check_range,
     decode,
     encode,
+    encoded_bytes,
 )
 from cachestore.keys import BlockHash, cross_key
 from cachestore.ratelimit import RateLimitedLog
@@ -43,9 +44,12 @@ class CrossStore:
         """The cached cross K/V of an encoder input in the storage dtype, or None (a bad value is
         counted and deleted). ``max_tokens``: the most encoder positions the input can give (its
         sequence axis: tokens, or audio frames that a strided encoder only shortens), so that a
-        forged value cannot hold an impossible length, however well it is checksummed."""
+        forged value cannot hold an impossible length, however well it is checksummed. Nor can it
+        make the store read more than the longest value ``put`` could have stored for the input:
+        its positions, as many as fit ``max_value_bytes``."""
         key = cross_key(input_hash)
-        value = self.store.get(key)
+        fit = self.max_value_bytes // (layers * 2 * heads * head_dim * self.dtype.itemsize)
+        value = self.store.get(key, encoded_bytes((layers, 2, heads, min(max_tokens, fit), head_dim), self.dtype))
         if value is None:
             self.stats.add(cross_misses=1)
             return None

@@ -50,6 +50,10 @@ class RedisTLS:
     key_file: Path | None = None
 
 
+VALUE_HEADER_ROOM_BYTES = 4096
+"""Bytes a stored value may hold beyond ``StoreOptions.max_value_bytes``: the codec's header and a
+signing envelope (under 200 together), so that the largest value a worker stores is read back."""
+
 REQUEST_OP_TIMEOUTS = 2
 """A request's calls to a store that does not answer wait this many op timeouts in all, at most
 (``cachestore.budget``): one call and its one retry, or two calls, never more, whatever the store
@@ -63,6 +67,11 @@ class StoreOptions:
     """Bounds each socket wait of a store call; ``REQUEST_OP_TIMEOUTS`` of them bound a request's."""
     connect_timeout_ms: float = 100.0
     max_connections: int = 32
+    max_value_bytes: int = 128 * 1024 * 1024
+    """``--cache-max-value-bytes``: the largest tensor a value holds (cross K/V larger is not
+    stored); no read of the shared tier transfers more than this (and ``VALUE_HEADER_ROOM_BYTES``)
+    of any value, whatever is planted there. Each reader bounds its values tighter where it can:
+    a prefix block to its exact size, a lease to ``store.MAX_LEASE_BYTES``."""
     memory_max_bytes: int = 512 * 1024 * 1024
     l1_max_bytes: int = 256 * 1024 * 1024
     breaker: BreakerPolicy = BreakerPolicy()
@@ -154,7 +163,9 @@ def open_store(url: str, options: StoreOptions, stats: CacheStats) -> KVStore:
         )
     connect, name = _redis_connector(url, options)
     request_wait_s = REQUEST_OP_TIMEOUTS * options.op_timeout_ms / 1e3
-    shared: KVStore = ResilientStore(RedisStore(connect, options.ttl_s, name, request_wait_s), stats, options.breaker)
+    redis_store = RedisStore(connect, options.ttl_s, name, request_wait_s,
+                             max_value_bytes=options.max_value_bytes + VALUE_HEADER_ROOM_BYTES, stats=stats)
+    shared: KVStore = ResilientStore(redis_store, stats, options.breaker)
     if options.keyring is not None:
         shared = SignedStore(shared, options.keyring, stats, options.lease_terms)
     return TieredStore(MemoryStore(options.l1_max_bytes), shared) if tiered else shared

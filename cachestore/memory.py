@@ -12,7 +12,8 @@ from cachestore.store import KVStore
 class MemoryStore(KVStore):
     """Least-recently-used eviction once the values' total size passes ``max_bytes``.
 
-    A value larger than ``max_bytes`` is not stored. Thread-safe.
+    A value larger than ``max_bytes`` is not stored, and one longer than a read's ``limit`` reads
+    as a miss, as from any store (it is this process's own memory: nothing to distrust). Thread-safe.
     """
 
     name = "memory"
@@ -27,11 +28,12 @@ class MemoryStore(KVStore):
     def used_bytes(self) -> int:
         return self._bytes
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
         with self._lock:
             value = self._values.get(key)
-            if value is not None:
-                self._values.move_to_end(key)
+            if value is None or (limit is not None and len(value) > limit):
+                return None
+            self._values.move_to_end(key)
             return value
 
     def put(self, key: str, value: bytes) -> bool:

@@ -27,6 +27,7 @@ from cachestore.codec import (
     check_range,
     decode,
     encode,
+    encoded_bytes,
 )
 from cachestore.keys import (
     BlockHash,
@@ -210,7 +211,8 @@ class PrefixStore:
         """Block ``i``'s value of the layer group ``layers`` for each request, in one batched read,
         each checked as it arrives: yields (i, layers, value) for each that passes; a value that
         fails is counted and deleted. The first miss or failure of the ``full`` group ends the read
-        (a run is used up to its first gap), not one of a windowed group."""
+        (a run is used up to its first gap), not one of a windowed group. Each value is read only
+        up to its exact size (the geometry's): a longer one is never transferred whole."""
         if not requests:
             return
         geometry = self.geometry
@@ -219,8 +221,9 @@ class PrefixStore:
                                    geometry.block_shape(block_size, layers), self.store.authenticated)
                     for full, layers in ((True, geometry.full), (False, geometry.windowed))}
         keys = [(block_key if layers == geometry.full else window_block_key)(hashes[i]) for i, layers in requests]
+        sizes = {full: encoded_bytes(e.shape, e.dtype) for full, e in expected.items()}
         rejected = []
-        values = self.store.iter_many(keys)
+        values = self.store.iter_many(keys, [sizes[layers == geometry.full] for _, layers in requests])
         try:
             for (i, layers), key, value in zip(requests, keys, values, strict=False):
                 ends_run = layers == geometry.full

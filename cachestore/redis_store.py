@@ -1,8 +1,14 @@
 """Redis (single server or Redis Cluster) as the shared tier, through redis-py with hiredis.
 
 One value per key, written with ``SET key value NX EX ttl`` (one atomic command: a reader never
-sees half a block), pipelined without MULTI. Reads are one ``MGET`` (split per hash slot on a
-cluster). Socket and connect timeouts bound every operation (milliseconds in the options).
+sees half a block), pipelined without MULTI. Reads are one pipeline of ``GETRANGE key 0 bound``
+(split per node on a cluster), one round trip as with ``GET``, where ``bound`` is the longest value
+its reader accepts (``KVStore``'s ``limit``, within ``max_value_bytes``): Redis answers at most
+``bound + 1`` bytes (the offsets are inclusive), so a longer value, which whoever can write to
+Redis may plant under any key, is known oversized after that many bytes and never transferred
+whole. ``GETRANGE`` answers an empty string for a missing key where ``GET`` answers nil: values
+are never empty, so both are a miss (and an empty value is replaced by the next write). Socket
+and connect timeouts bound every operation (milliseconds in the options).
 """
 
 from __future__ import annotations
@@ -16,12 +22,15 @@ import redis
 from redis.cluster import RedisCluster
 
 from cachestore.budget import StallBudget
+from cachestore.codec import RejectReason
 from cachestore.ratelimit import RateLimitedLog
 from cachestore.redis_notices import RedisNotices
-from cachestore.store import KVStore, Notices, StoreReplyError
+from cachestore.stats import CacheStats
+from cachestore.store import MAX_LEASE_BYTES, KVStore, Notices, StoreReplyError
 
 log = logging.getLogger(__name__)
 _foreign = RateLimitedLog(log)
+_oversized = RateLimitedLog(log)
 
 
 def _values(reply: object, count: int) -> list[bytes | None]:
@@ -92,12 +101,16 @@ class RedisStore(KVStore):
     starts and serves while Redis (or the cluster's seed node) is still unreachable."""
 
     def __init__(self, connect: Callable[[], redis.Redis | RedisCluster], ttl_s: int, name: str = "redis",
-                 request_wait_s: float = 0.0) -> None:
+                 request_wait_s: float = 0.0, *, max_value_bytes: int, stats: CacheStats) -> None:
         """``request_wait_s``: what one request's calls may wait in all on a server that does not
         answer (``stall_budget``; 0: no bound but each wait's timeout). Budgets bind only
-        connections from ``cachestore.redis_budget``'s pools, which ``factory`` gives ``connect``."""
+        connections from ``cachestore.redis_budget``'s pools, which ``factory`` gives ``connect``.
+        ``max_value_bytes``: no read transfers more than this many bytes (and one) of a value,
+        whatever its reader's own limit; ``stats`` counts the values deleted for being longer."""
         self._connect = connect
         self.request_wait_s = request_wait_s
+        self.max_value_bytes = max_value_bytes
+        self.stats = stats
         self._client_or_none: redis.Redis | RedisCluster | None = None
         self._lock = threading.Lock()
         self.ttl_s = ttl_s
@@ -119,37 +132,58 @@ class RedisStore(KVStore):
     def stall_budget(self) -> StallBudget | None:
         return StallBudget(self.request_wait_s) if self.request_wait_s > 0 else None
 
-    def get(self, key: str) -> bytes | None:
-        return _values([self._client.get(key)], 1)[0]
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        return self.get_many([key], None if limit is None else [limit])[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> list[bytes | None]:
+        """A single server streams (``iter_many``); a cluster pipelines the reads to each key's node."""
         if not keys:
             return []
-        if self._cluster:
-            return _values(self._client.mget_nonatomic(list(keys)), len(keys))
-        return _values(self._client.mget(list(keys)), len(keys))
+        if not self._cluster:
+            return list(self.iter_many(keys, limits))
+        bounds = self._bounds(keys, limits)
+        pipe = self._client.pipeline(transaction=False)
+        for key, bound in zip(keys, bounds, strict=True):
+            pipe.getrange(key, 0, bound)
+        replies = [None if _wrong_type(reply) else reply for reply in pipe.execute(raise_on_error=False)]
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        oversized: list[str] = []
+        values = [self._checked(key, reply, bound, oversized)
+                  for key, reply, bound in zip(keys, _values(replies, len(keys)), bounds, strict=True)]
+        self._distrust(oversized)
+        return values
 
-    def iter_many(self, keys: Sequence[str]) -> Iterator[bytes | None]:
-        """One pipeline of ``GET``s on one pooled connection, each reply yielded as it is parsed.
+    def iter_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> Iterator[bytes | None]:
+        """One pipeline of ``GETRANGE``s on one pooled connection, each reply yielded as it is parsed.
 
         Why not ``MGET``: its reply holds every value at once, so a 16 MiB prefix is 16 MiB of
         fresh allocations, and the page faults of that memory cost as much as the transfer;
         values used and dropped one by one reuse the same memory. A caller that stops early
-        leaves replies unread on the connection: they are read and dropped before it goes back
-        to the pool (after a miss they are nils). A cluster reads with ``MGET`` per slot."""
+        leaves replies unread on the connection: they are read (each bounded too) and dropped
+        before it goes back to the pool. Values longer than their bound are deleted once the
+        connection is back. A cluster reads through ``get_many``."""
         if self._cluster or not keys:
-            yield from self.get_many(keys)
+            yield from self.get_many(keys, limits)
             return
+        oversized: list[str] = []
+        try:
+            yield from self._stream(keys, self._bounds(keys, limits), oversized)
+        finally:
+            self._distrust(oversized)
+
+    def _stream(self, keys: Sequence[str], bounds: Sequence[int], oversized: list[str]) -> Iterator[bytes | None]:
         pool = self._client.connection_pool
         connection = pool.get_connection()
-        packed = connection.pack_commands([("GET", key) for key in keys])
+        packed = connection.pack_commands([("GETRANGE", key, 0, bound) for key, bound in zip(keys, bounds, strict=True)])
 
         def reply() -> object:
             try:
                 return connection.read_response()
             except redis.ResponseError as exc:
                 if _wrong_type(exc):
-                    return None  # a key holding a list or hash: a miss, as MGET reads it (put_many replaces it)
+                    return None  # a key holding a list or hash: a miss (put_many replaces it)
                 raise
 
         def first_reply() -> object:
@@ -162,15 +196,17 @@ class RedisStore(KVStore):
             # fails on its first reply, before anything was yielded.
             value = connection.retry.call_with_retry(first_reply, lambda _error: connection.disconnect())
             while True:
+                i = len(keys) - unread
                 unread -= 1
-                yield _values([value], 1)[0]
+                yield self._checked(keys[i], value, bounds[i], oversized)
                 if not unread:
                     break
                 value = reply()
             clean = not _more_to_read(connection)
         except GeneratorExit:
             while unread:
-                reply()
+                i = len(keys) - unread
+                self._checked(keys[i], reply(), bounds[i], oversized)
                 unread -= 1
             clean = not _more_to_read(connection)
             if clean:
@@ -182,8 +218,39 @@ class RedisStore(KVStore):
         if not clean:
             raise StoreReplyError(f"the server sent more than the {len(keys)} replies asked for")
 
+    def _bounds(self, keys: Sequence[str], limits: Sequence[int] | None) -> list[int]:
+        """Each key's longest acceptable value in bytes: its reader's limit within ``max_value_bytes``."""
+        if limits is None:
+            return [self.max_value_bytes] * len(keys)
+        return [min(self.max_value_bytes, limit) for limit in limits]
+
+    @staticmethod
+    def _checked(key: str, reply: object, bound: int, oversized: list[str]) -> bytes | None:
+        """The value in a ``GETRANGE key 0 bound`` reply, or None: for a missing key (an empty
+        answer), and for a value longer than ``bound`` (a reply of ``bound + 1`` bytes), whose key
+        goes to ``oversized``."""
+        value = _values([reply], 1)[0]
+        if not value:
+            return None
+        if len(value) > bound:
+            oversized.append(key)
+            return None
+        return value
+
+    def _distrust(self, keys: Sequence[str]) -> None:
+        """Deletes values found longer than their readers' bounds: written by someone else (no
+        worker writes one), they are counted and deleted as values that fail verification are,
+        so that the next publish (set-if-absent) writes the real one in their place."""
+        if not keys:
+            return
+        self.stats.count("rejected_values", RejectReason.OVERSIZED, len(keys))
+        _oversized.warning("cache store %s: %d values longer than their readers accept (e.g. %s); deleted, computing "
+                           "instead", self.name, len(keys), keys[0])
+        self.delete(keys)
+
     def put(self, key: str, value: bytes) -> bool:
-        return bool(self._client.set(key, value, nx=True, ex=self.ttl_s))
+        """As ``put_many``: a key someone filled with a non-value is replaced (a cross K/V's too)."""
+        return self.put_many([(key, value)]) > 0
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         if not items:
@@ -191,16 +258,21 @@ class RedisStore(KVStore):
         written = self._set_if_absent(items)
         refused = [item for item, ok in zip(items, written, strict=True) if not ok]
         if refused:
-            # A key that MGET read as nil and SET NX cannot fill holds a list, a hash...: written by
-            # someone else, it would make that block a miss forever. Off the token path, so the
-            # extra round trip (only when a write was refused) costs no request anything.
+            # A key that a read found missing and SET NX cannot fill holds a list, a hash... or an
+            # empty string: written by someone else, it would make that block a miss forever. Off
+            # the token path, so the extra round trip (only when a write was refused) costs no
+            # request anything. One byte of each tells (a key gone meanwhile is written too).
             pipe = self._client.pipeline(transaction=False)
             for key, _ in refused:
-                pipe.type(key)
-            foreign = [item for item, kind in zip(refused, pipe.execute(), strict=True) if kind not in (b"string", b"none")]
+                pipe.getrange(key, 0, 0)
+            replies = pipe.execute(raise_on_error=False)
+            for reply in replies:
+                if isinstance(reply, Exception) and not _wrong_type(reply):
+                    raise reply
+            foreign = [item for item, reply in zip(refused, replies, strict=True) if _wrong_type(reply) or reply == b""]
             if foreign:
-                _foreign.warning("cache store %s: %d keys held a non-string value (e.g. %s); replaced", self.name,
-                                 len(foreign), foreign[0][0])
+                _foreign.warning("cache store %s: %d keys held a non-string or empty value (e.g. %s); replaced",
+                                 self.name, len(foreign), foreign[0][0])
                 self.delete([key for key, _ in foreign])
                 written += self._set_if_absent(foreign)
         return sum(bool(ok) for ok in written)
@@ -216,31 +288,32 @@ class RedisStore(KVStore):
             self._client.delete(*keys)
 
     def claim(self, key: str, token: bytes, ttl_ms: int) -> bytes | None:
-        """``SET key token NX PX ttl`` and ``GET key`` in one round trip (any Redis version: no
-        ``SET … GET``); the ``GET`` names whoever holds the lease now. A key holding a list or a
-        hash (written by someone else) is replaced, as ``put_many`` replaces block keys: it would
-        otherwise stand in for a lease nobody holds, forever."""
+        """``SET key token NX PX ttl`` and ``GETRANGE key 0 MAX_LEASE_BYTES`` in one round trip (any
+        Redis version: no ``SET … GET``); the second names whoever holds the lease now, read no
+        further than a lease can be long. A key holding a list, a hash, an empty string or a value
+        longer than any lease (written by someone else) is replaced, as ``put_many`` replaces block
+        keys: it would otherwise stand in for a lease nobody holds, forever."""
         for _ in range(2):
             pipe = self._client.pipeline(transaction=False)
             pipe.set(key, token, nx=True, px=max(1, ttl_ms))
-            pipe.get(key)
+            pipe.getrange(key, 0, MAX_LEASE_BYTES)
             replies = pipe.execute(raise_on_error=False)
-            if not any(_wrong_type(reply) for reply in replies):
+            held = replies[1]
+            if isinstance(held, bytes) and len(held) > MAX_LEASE_BYTES:
+                self._distrust([key])
+            elif any(_wrong_type(reply) for reply in replies) or held == b"":
+                _foreign.warning("cache store %s: lease key %s held a non-string or empty value; replaced", self.name, key)
+                self.delete([key])
+            else:
                 break
-            _foreign.warning("cache store %s: lease key %s held a non-string value; replaced", self.name, key)
-            self.delete([key])
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        return _values(replies[1:], 1)[0]
+        return self._checked(key, replies[1], MAX_LEASE_BYTES, [])
 
     def holder(self, key: str) -> bytes | None:
-        try:
-            return self.get(key)
-        except redis.ResponseError as exc:
-            if _wrong_type(exc):
-                return None
-            raise
+        """A key of another type reads as nobody; a value longer than any lease is deleted."""
+        return self.get(key, MAX_LEASE_BYTES)
 
     def release(self, key: str, token: bytes) -> None:
         """Deletes the lease only while ``token`` holds it: a compare-and-delete, atomic on the

@@ -85,19 +85,19 @@ class ResilientStore(KVStore):
         """The read breaker's state: whether lookups currently reach the store."""
         return self.read_breaker.state
 
-    def get(self, key: str) -> bytes | None:
-        return self._call(self.read_breaker, "get", lambda: self.inner.get(key), None)
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        return self._call(self.read_breaker, "get", lambda: self.inner.get(key, limit), None)
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._call(self.read_breaker, "get_many", lambda: self.inner.get_many(keys), [None] * len(keys))
+    def get_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> list[bytes | None]:
+        return self._call(self.read_breaker, "get_many", lambda: self.inner.get_many(keys, limits), [None] * len(keys))
 
-    def iter_many(self, keys: Sequence[str]) -> Iterator[bytes | None]:
+    def iter_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> Iterator[bytes | None]:
         """The inner store's values as they arrive; a failure part-way ends the iteration (the
         rest are misses), counted like any failed read."""
         if not keys or not self._allowed(self.read_breaker):
             return
         try:
-            yield from self.inner.iter_many(keys)
+            yield from self.inner.iter_many(keys, limits)
         except GeneratorExit:  # the caller stopped early (a miss); the store answered
             self._succeeded(self.read_breaker)
             raise

@@ -19,13 +19,18 @@ from dataclasses import dataclass
 from cachestore.codec import RejectReason
 from cachestore.lease_terms import LeaseFault, LeaseTerms, LeaseValue
 from cachestore.ratelimit import RateLimitedLog
-from cachestore.signing import Keyring, VerifyFailure
+from cachestore.signing import MAX_ENVELOPE_BYTES, Keyring, VerifyFailure
 from cachestore.stats import CacheStats
 from cachestore.store import KVStore, Notices
 
 log = logging.getLogger(__name__)
 _refused = RateLimitedLog(log)
 _REASONS = {VerifyFailure.UNSIGNED: RejectReason.UNSIGNED, VerifyFailure.SIGNATURE: RejectReason.SIGNATURE}
+
+
+def _enveloped(limits: Sequence[int] | None) -> list[int] | None:
+    """Limits on values as the inner store holds them: each with room for its envelope."""
+    return None if limits is None else [limit + MAX_ENVELOPE_BYTES for limit in limits]
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,20 +60,20 @@ class SignedStore(KVStore):
         self._held: dict[str, _Held] = {}
         """Leases this worker holds, by key."""
 
-    def get(self, key: str) -> memoryview | None:
-        return self.get_many([key])[0]
+    def get(self, key: str, limit: int | None = None) -> memoryview | None:
+        return self.get_many([key], None if limit is None else [limit])[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[memoryview | None]:
+    def get_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> list[memoryview | None]:
         refused: list[str] = []
         values = [None if envelope is None else self._verified(key, envelope, refused)
-                  for key, envelope in zip(keys, self.inner.get_many(keys), strict=True)]
+                  for key, envelope in zip(keys, self.inner.get_many(keys, _enveloped(limits)), strict=True)]
         if refused:
             self.inner.delete(refused)
         return values
 
-    def iter_many(self, keys: Sequence[str]) -> Iterator[memoryview | None]:
+    def iter_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> Iterator[memoryview | None]:
         refused: list[str] = []
-        envelopes = zip(keys, self.inner.iter_many(keys), strict=False)
+        envelopes = zip(keys, self.inner.iter_many(keys, _enveloped(limits)), strict=False)
         try:
             for key, envelope in envelopes:
                 yield None if envelope is None else self._verified(key, envelope, refused)

@@ -47,6 +47,15 @@ _PARALLEL_BYTES = 256 << 10
 _ALIGN = 16
 
 
+def _aligned(length: int) -> int:
+    return -(-length // _ALIGN) * _ALIGN
+
+
+MAX_ENVELOPE_BYTES = _aligned(_HEAD.size + 32) + TAG_BYTES
+"""The most an envelope adds to a value (its longest key id): what a reader that bounds a value
+allows on top for its envelope (``SignedStore``)."""
+
+
 class VerifyFailure(StrEnum):
     """Why a stored value was not accepted as signed."""
 
@@ -117,10 +126,6 @@ class Keyring:
         if not hmac.compare_digest(expected, view[head_end:head_end + TAG_BYTES]):
             return VerifyFailure.SIGNATURE
         return value
-
-
-def _aligned(length: int) -> int:
-    return -(-length // _ALIGN) * _ALIGN
 
 
 def _tag(key: bytes, store_key: str, head: bytes | memoryview, value: bytes | memoryview) -> bytes:

@@ -12,6 +12,10 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 from cachestore.budget import StallBudget
 
+MAX_LEASE_BYTES = 1024
+"""The longest lease value a store reads: a holder's token (a worker id and a row number), its
+expiry and a signing envelope take about 150 bytes; a longer one was written by someone else."""
+
 ERROR_KINDS = ("timeout", "connection", "tls", "auth", "out_of_memory", "response", "protocol", "error")
 """Every label ``KVStore.error_kind`` may return (metrics show each from the start)."""
 
@@ -46,7 +50,14 @@ class Notices(ABC):
 
 class KVStore(ABC):
     """Abstract byte store. Batched methods loop over the single ones unless a backend overrides
-    them with something better (pipelines, MGET)."""
+    them with something better (pipelines).
+
+    Reads are bounded: a reader that knows how long a value can be (a prefix block's exact size
+    from the model's geometry, a lease's ``MAX_LEASE_BYTES``) passes that ``limit`` in bytes, and
+    a value longer than it (or than the store's own bound) reads as a miss. A networked store
+    never transfers such a value whole: it reads at most ``limit + 1`` bytes of it, and deletes
+    it (counted as ``oversized``), as a value that fails verification is deleted. Values are
+    never empty (an empty one reads as a miss too)."""
 
     name: str = "store"
     authenticated: bool = False
@@ -54,8 +65,8 @@ class KVStore(ABC):
     same bytes would add nothing)."""
 
     @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The value under ``key``, or None."""
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        """The value under ``key``, or None: also when it is longer than ``limit`` bytes."""
 
     @abstractmethod
     def put(self, key: str, value: bytes) -> bool:
@@ -65,15 +76,16 @@ class KVStore(ABC):
     def delete(self, keys: Sequence[str]) -> None:
         """Removes ``keys`` (absent ones are ignored)."""
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return [self.get(k) for k in keys]
+    def get_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> list[bytes | None]:
+        """The values under ``keys``; ``limits``: each one's longest acceptable length in bytes."""
+        return [self.get(k, limit) for k, limit in zip(keys, limits or [None] * len(keys), strict=True)]
 
-    def iter_many(self, keys: Sequence[str]) -> Iterator[bytes | None]:
-        """The values under ``keys`` in order, each yielded as soon as it is read, so that a caller
+    def iter_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> Iterator[bytes | None]:
+        """The values under ``keys`` in order (``limits`` as in ``get_many``), each yielded as soon as it is read, so that a caller
         can use and drop one before the next arrives: a fetch then holds one value at a time, and
         works on each while the rest are still on their way. The iterator may end early (the rest
         count as missing: the store failed) and may be closed early by the caller."""
-        yield from self.get_many(keys)
+        yield from self.get_many(keys, limits)
 
     def put_many(self, items: Sequence[tuple[str, bytes]]) -> int:
         """Set-if-absent for each item; returns how many were written."""

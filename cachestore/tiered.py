@@ -18,14 +18,17 @@ class TieredStore(KVStore):
         # The L1 holds only what L2 returned or this worker wrote itself.
         self.authenticated = l2.authenticated
 
-    def get(self, key: str) -> bytes | None:
-        return self.get_many([key])[0]
+    def get(self, key: str, limit: int | None = None) -> bytes | None:
+        return self.get_many([key], None if limit is None else [limit])[0]
 
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        values = self.l1.get_many(keys)
+    def get_many(self, keys: Sequence[str], limits: Sequence[int] | None = None) -> list[bytes | None]:
+        """Each tier applies the same ``limits``: the L2 (never reading a longer value whole), and the
+        L1, which holds only values that passed them or that this worker wrote."""
+        values = self.l1.get_many(keys, limits)
         missing = [i for i, v in enumerate(values) if v is None]
         if missing:
-            for i, value in zip(missing, self.l2.get_many([keys[i] for i in missing]), strict=True):
+            l2_limits = None if limits is None else [limits[i] for i in missing]
+            for i, value in zip(missing, self.l2.get_many([keys[i] for i in missing], l2_limits), strict=True):
                 if value is not None:
                     self.l1.put(keys[i], value)
                     values[i] = value

@@ -235,9 +235,9 @@ class GatedStore(MemoryStore):
         self.writes_waiting = 0
         """Writes that have entered ``put_many`` (each then waits at the write gate)."""
 
-    def get_many(self, keys):
+    def get_many(self, keys, limits=None):
         assert self.reads.wait(30), "read gate never opened"
-        return super().get_many(keys)
+        return super().get_many(keys, limits)
 
     def put_many(self, items):
         with self._entered:

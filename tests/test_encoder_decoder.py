@@ -31,8 +31,9 @@ TOLERANCE = 1e-4
 
 
 def make_engine(folder, url, **options):
-    return Engine.load(folder, EngineOptions(block_size=B, **options), open_store(url, StoreOptions(), CacheStats()),
-                       CacheStats(), "cpu", 2)
+    stats = CacheStats()  # shared by the store and the engine, as in `kvshare serve`
+    return Engine.load(folder, EngineOptions(block_size=B, **options), open_store(url, StoreOptions(), stats),
+                       stats, "cpu", 2)
 
 
 def generate(engine, decoder_ids, encoder_ids=ENCODER_IDS, n=12, **cache):
@@ -88,7 +89,7 @@ def test_damaged_cross_value_is_a_miss_with_correct_output(replicas, redis_serve
             client.set(key, bytes(bad))
         elif damage == "truncate":
             client.set(key, value[:-64])
-        elif damage == "too_long":  # well formed and checksummed (unsigned), but longer than its input can give
+        elif damage == "too_long":  # well formed and checksummed, but longer than its input gives: never read whole
             h = a.encoder_input_hash("", np.asarray([ENCODER_IDS], np.int64))
             shape = (a.spec.num_layers, 2, a.spec.num_kv_heads, len(ENCODER_IDS) + 1, a.spec.head_size)
             client.set(key, encode(ValueKind.CROSS_KV, h, np.zeros(shape, a.cross.dtype)))
@@ -97,7 +98,7 @@ def test_damaged_cross_value_is_a_miss_with_correct_output(replicas, redis_serve
             client.set(key, client.get(cross_key(a.encoder_input_hash("tenant-b", np.asarray([ENCODER_IDS], np.int64)))))
         tokens, usage = generate(b, decoder_ids, skip_write=True)
         assert not usage.encoder_cache_hit and tokens == expected
-        reason = {"flip": "checksum", "truncate": "format", "too_long": "format"}.get(damage, "owner")
+        reason = {"flip": "checksum", "truncate": "format", "too_long": "oversized"}.get(damage, "owner")
         assert b.cache_stats.rejected_values == {reason: 1}
         assert client.get(key) is None
 

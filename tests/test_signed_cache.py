@@ -112,9 +112,10 @@ def test_values_planted_before_the_first_request_are_never_served(fleet, redis_s
     cold, _ = generate(victim, ids, skip_read=True, skip_write=True)
     hashes, keys = keys_of(victim, ids)
     rng = np.random.default_rng(0)
+    geometry = victim.prefix.geometry  # blocks of the real size: a longer one is refused unread (test_store_bounds)
     with redis_server.client() as client:
         for h, key in zip(hashes, keys, strict=True):
-            forged = encode(ValueKind.PREFIX_BLOCK, h, rng.standard_normal((2, 2, 2, B, 16)).astype(np.float32))
+            forged = encode(ValueKind.PREFIX_BLOCK, h, rng.standard_normal(geometry.block_shape(B)).astype(geometry.dtype))
             client.set(key, ATTACKER.sign(key, forged))
         answer, last = generate(victim, ids)
     assert answer == cold and last.usage.cached_prompt_tokens == 0

@@ -115,8 +115,8 @@ class PausedAfterFirstWrite:
         self.inner, self.authenticated = inner, inner.authenticated
         self.written, self.resume, self.writes = threading.Event(), threading.Event(), []
 
-    def iter_many(self, keys):
-        return self.inner.iter_many(keys)
+    def iter_many(self, keys, limits=None):
+        return self.inner.iter_many(keys, limits)
 
     def put_many(self, items):
         count = self.inner.put_many(items)
@@ -388,9 +388,9 @@ def test_a_row_that_copied_forged_kv_from_another_row_computes_cold_too(tiny_mod
             super().__init__(64 << 20)
             self.lookups = 0
 
-        def iter_many(self, keys):
+        def iter_many(self, keys, limits=None):
             self.lookups += 1
-            yield from (self.get_many(keys) if self.lookups == 1 else [None] * len(keys))
+            yield from (self.get_many(keys, limits) if self.lookups == 1 else [None] * len(keys))
 
     store = ServesOnce()
     engine = make_engine(tiny_model, store, cache_dtype="float32", max_prefill_tokens_per_step=64)
@@ -438,11 +438,11 @@ def test_the_holder_leases_the_block_after_each_chunk_it_publishes(tiny_model, r
         def __init__(self, inner):
             self.inner = inner
 
-        def get(self, key):
-            return self.inner.get(key)
+        def get(self, key, limit=None):
+            return self.inner.get(key, limit)
 
-        def iter_many(self, keys):
-            return self.inner.iter_many(keys)
+        def iter_many(self, keys, limits=None):
+            return self.inner.iter_many(keys, limits)
 
         def put(self, key, value):
             return self.inner.put(key, value)

@@ -80,7 +80,8 @@ def test_a_warm_fetch_moves_the_full_layers_of_the_run_and_the_windowed_ones_of_
     assert cold_ids == want_ids and cold_last.usage.cached_prompt_tokens == 0
     before = warm.cache_stats.bytes_read
     reads, iter_many = [], warm.prefix.store.iter_many
-    monkeypatch.setattr(warm.prefix.store, "iter_many", lambda keys: reads.append(list(keys)) or iter_many(keys))
+    monkeypatch.setattr(warm.prefix.store, "iter_many",
+                        lambda keys, limits=None: reads.append(list(keys)) or iter_many(keys, limits))
     warm_ids, warm_logits, warm_last = run(warm, ids)
     (keys,) = reads
     hashes = warm.prefix.hashes(warm.namespace(""), ids)
