@@ -18,7 +18,9 @@ skips them):
   burst of 500 refused requests with the gRPC floor beside it;
 - ``bench.attack_router``: a worker frozen (SIGSTOP) behind ``kvshare route`` with calls in flight;
 - ``bench.attack_leases``: forged (unsigned) and replayed (signed) leases against a victim's prompts;
-- ``bench.attack_stall``: Redis frozen (SIGSTOP) under load, against the documented store-wait bound.
+- ``bench.attack_stall``: Redis frozen (SIGSTOP) under load, against the documented store-wait bound;
+- ``bench.attack_floods``: Tokenize, audio and HTTP body floods, a two-tenant burst and the door's
+  refusal cost, each beside a victim measured idle and under attack.
 
     .venv/bin/python -m bench.attacks [--smoke] [--cache-only]
 """
@@ -135,7 +137,8 @@ def probe(t: Target, codes: int) -> int | None:
     return None
 
 
-FLEET_ATTACKS = ("bench.attack_door", "bench.attack_router", "bench.attack_leases", "bench.attack_stall")
+FLEET_ATTACKS = ("bench.attack_door", "bench.attack_router", "bench.attack_leases", "bench.attack_stall",
+                 "bench.attack_floods")
 
 
 def main() -> int:
