@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -385,12 +387,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_WORD = re.compile(r"-|-\d[\d.e+-]*")  # arguments that begin with "-" and are no flag
+
+
+def unknown_arguments(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """One line for the arguments ``parser`` (a sub-command's) did not take: each unknown flag with
+    the known flag it looks like a slip of (``--max-batchh``: ``--max-batch``), else the extra
+    words; then where the flags are listed. (argparse's own message puts the whole usage, dozens of
+    lines for ``kvshare serve``, above the one line that matters.)"""
+    command = parser.prog
+    # argparse keeps its flags in _actions only; every option string is a flag that may be meant.
+    known = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    # Not flags: "-" (standard input) and negative numbers, which argparse takes as words too.
+    flags = [word.split("=", 1)[0] for word in unknown if word.startswith("-") and not _WORD.fullmatch(word)]
+    if not flags:
+        words = " ".join(map(repr, unknown))
+        return f"{command}: unexpected argument{'s' * (len(unknown) > 1)} {words}; {command} --help lists what it takes"
+    named = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag, known, n=1)
+        named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    return f"{command}: unknown flag{'s' * (len(flags) > 1)} {', '.join(named)}; {command} --help lists them"
+
+
 def main(argv: list[str] | None = None) -> int:
     args, unknown = build_parser().parse_known_args(argv)
     if unknown:
         # argparse hands a sub-command's unknown flags up to the top parser, whose usage says nothing
-        # about the sub-command's flags: the sub-command's own parser reports them.
-        args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        # about the sub-command's flags: they are reported against the sub-command's own.
+        print(unknown_arguments(args.command_parser, unknown), file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except ModuleNotFoundError as exc:
