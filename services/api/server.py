@@ -204,9 +204,10 @@ async def serve(settings: Settings) -> None:
         # Imported only here: aiohttp and the HTTP face are a quarter of a worker's start-up imports
         # (about 0.45 of 2 CPU-seconds), and most workers serve gRPC alone.
         from services.http.app import tls_context
+        from services.http.limits import HttpLimits
         from services.http.local_front import LocalFront
 
-        front = LocalFront(server, settings.http_timeout_s, settings.max_message_bytes)
+        front = LocalFront(server, HttpLimits.of(settings))
     else:
         front = None
     try:

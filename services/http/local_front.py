@@ -14,17 +14,18 @@ import grpc
 
 from services.errors import StartupError
 from services.http.app import HttpFace
+from services.http.limits import HttpLimits
 from services.http.upstream import Upstream
 
 
 class LocalFront:
     """Made before ``server.start()`` (it adds the socket's port); ``start`` once it serves."""
 
-    def __init__(self, server: grpc.aio.Server, timeout_s: float, max_message_bytes: int) -> None:
+    def __init__(self, server: grpc.aio.Server, limits: HttpLimits) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="kvshare-http-"))  # mode 0700
         target = f"unix:{self._dir / 'grpc.sock'}"
         server.add_insecure_port(target)
-        self.face = HttpFace(Upstream(target, max_message_bytes), timeout_s, max_message_bytes)
+        self.face = HttpFace(Upstream(target, limits.max_body_bytes), limits)
 
     async def start(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
         try:

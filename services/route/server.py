@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.errors import StartupError
+from services.http.limits import HttpLimits
 from services.http.local_front import LocalFront
 from services.route.attempt import Limits
 from services.route.config import RouteSettings, split_host_port
@@ -71,7 +72,7 @@ async def serve(settings: RouteSettings) -> None:
     except RuntimeError as exc:  # gRPC's only signal that the bind failed
         raise StartupError(f"cannot listen on {settings.host}:{settings.port}: the address is in use or not "
                            "available here; pick another --port (0 picks a free one)") from exc
-    front = LocalFront(server, settings.http_timeout_s, settings.max_message_bytes) if settings.http_port else None
+    front = LocalFront(server, HttpLimits.of(settings)) if settings.http_port else None
     await upstreams.start()
     await server.start()
     # Tests and scripts read this line to learn the port when --port 0 was given.
