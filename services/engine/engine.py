@@ -137,8 +137,8 @@ class Engine:
         self.scheduler = Scheduler(self.runner, self.connector.scheduler_side, scheduling, self._read_pool)
         self._off_loop = OffLoop(options.tokenizer_threads)
         self._warming: threading.Thread | None = None
-        self._audio_loop = OffLoop(options.audio_threads)
-        self._tokenize_loop = OffLoop(1)
+        self._audio_loop = OffLoop(options.audio_threads, "audio")
+        self._tokenize_loop = OffLoop(1, "tokenize-call")
         self.audio_door = Tickets(options.max_audio_requests, "requests with audio", "--max-audio-requests")
         self.tokenize_door = Tickets(options.max_tokenize_requests, "Tokenize calls", "--max-tokenize-requests")
         self.limits = limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
@@ -290,7 +290,7 @@ class Engine:
         """The Tokenize call (``InputProcessor.tokenize``) on the Tokenize thread, under ``ticket``
         (the door's place; without one, a place is taken here for ``client``)."""
         with ticket or self.tokenize_door.take(client):
-            return await self.inputs.tokenize(request, shape, self._tokenize_loop)
+            return await self.inputs.tokenize(request, shape, self._tokenize_loop, client)
 
     async def generate(self, request: GenerationRequest, ticket: Ticket | None = None) -> AsyncIterator[GenerationChunk]:
         """Yields chunks until every sample has ended; validation errors and ``Overloaded`` raise

@@ -90,7 +90,8 @@ class InputProcessor:
         refused at once, not after waiting behind other requests' tokenizing), the rest on a
         tokenizer thread."""
         self.limits.check_generation(request)
-        return await (self._audio_loop if request.encoder.audio else self._off_loop).run(self.tokenized, request)
+        return await (self._audio_loop if request.encoder.audio else self._off_loop).run(self.tokenized, request,
+                                                                                         request.client)
 
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Validates and tokenizes ``request``; raises InvalidRequest (or RequestOutOfRange) naming
@@ -131,13 +132,14 @@ class InputProcessor:
         except BrokenChatTemplate as exc:
             raise FailedPrecondition(str(exc)) from exc
 
-    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R], on: OffLoop) -> R:
+    async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R], on: OffLoop,
+                       client: str = "") -> R:
         """The Tokenize call: text or messages to ids, or ids to text; returns ``shape(result)``.
         Sizes are checked on the event loop; the rest, ``shape`` included, runs ``on`` a thread
         (the engine's Tokenize thread, never the requests' tokenizer threads): turning a million
         ids into the caller's message must not hold the loop."""
         self.limits.check_tokenize(request)
-        return await on.run(lambda r: shape(self._tokenize(r)), request)
+        return await on.run(lambda r: shape(self._tokenize(r)), request, client)
 
     def rows(self, request: GenerationRequest, prepared: PreparedRequest, t0: float,
              kv_states: Callable[[CacheControl, int], list[SequenceKV]]) -> list[Sequence]:

@@ -86,7 +86,8 @@ class OutputProcessor:
                 pieces = []
                 if seq.prompt_logprobs and not seq.usage.completion_tokens:
                     # Thousands of positions x 20 alternatives to decode: not on the loop.
-                    entries = await self._off_loop.run(lambda e: with_text(e, self.tokenizer), seq.prompt_logprobs)
+                    entries = await self._off_loop.run(lambda e: with_text(e, self.tokenizer), seq.prompt_logprobs,
+                                                       seq.client)
                     pieces = [entries[i : i + PROMPT_LOGPROBS_PER_CHUNK]
                               for i in range(0, len(entries), PROMPT_LOGPROBS_PER_CHUNK)]
                     for piece in pieces[:-1]:  # ahead of the first token; the last rides with it
