@@ -16,6 +16,7 @@ import logging
 import ssl
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from operator import itemgetter
 from pathlib import Path
 from typing import TypeVar
@@ -113,6 +114,10 @@ class HttpFace:
         self.upstream = upstream
         self.limits = limits
         self.bodies = BodyBudget(limits.max_buffered_bytes)
+        # One big body is parsed at a time: ``json.loads`` holds the GIL for all of its C call (about
+        # 60 ms for 4 MiB here), so parsed side by side on many threads they passed the GIL among
+        # themselves and 16 trickled bodies that ended together held the loop for a second.
+        self._parsing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="http-parse")
         self.gate = ConnectionGate(limits.max_connections, limits.header_timeout_s)
         # Each body's bound, and the flag that sets it: the smallest that applies.
         upload = (limits.max_body_bytes, "the server's --max-message-bytes")
@@ -154,6 +159,7 @@ class HttpFace:
         if self._runner is not None:
             await self._runner.cleanup()
         await self.upstream.close()
+        self._parsing.shutdown(wait=False)
 
     def _caller(self, request: web.Request) -> Caller:
         return Caller.from_headers(request.headers.get("Authorization"), self.limits.timeout_s, request.remote)
@@ -181,7 +187,9 @@ class HttpFace:
             return build(body)
 
         # The loop also carries every other stream's tokens: a big body is translated on a thread.
-        return translate(raw) if len(raw) <= LOOP_PARSE_BYTES else await asyncio.to_thread(translate, raw)
+        if len(raw) <= LOOP_PARSE_BYTES:
+            return translate(raw)
+        return await asyncio.get_running_loop().run_in_executor(self._parsing, translate, raw)
 
     async def _in_time(self, reading: Awaitable[R]) -> R:
         """``reading`` (of a body), 408 unless done within ``limits.body_timeout_s``: a client
