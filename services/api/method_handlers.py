@@ -96,8 +96,8 @@ def _admitted(behavior: Callable, admit: Callable, door: Callable, streaming: bo
         async def stream(_requests, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
             await admit(context)
             with await door(context) or contextlib.nullcontext() as place:
-                request = await _one_message(context, read_timeout_s)
-                async for response in behavior(request, context, place):
+                responses = behavior(await _one_message(context, read_timeout_s), context, place)
+                async for response in responses:  # holding no reference to the request: see servicer
                     yield response
         return stream
 

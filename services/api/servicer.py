@@ -279,7 +279,12 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             left = context.time_remaining()
             generation = engine_request(request, self._engine.limits.stop_strings, tenant, self._client(context, tenant),
                                         None if left is None else time.monotonic() + left)
-            async with contextlib.aclosing(self._engine.generate(generation, place)) as stream:
+            # Neither the message nor its conversion is kept for the stream's life: an audio
+            # request's bytes are let go once the engine has prepared it.
+            del request
+            stream = self._engine.generate(generation, place)
+            del generation
+            async with contextlib.aclosing(stream):
                 async for chunk in stream:
                     yield response_message(chunk)
         except Exception as exc:  # noqa: BLE001 - every error leaves as a status, never as UNKNOWN

@@ -315,6 +315,10 @@ class Engine:
         finally:
             if ticket is not None:
                 ticket.release()
+        if request.encoder.audio:
+            # Prepared: its features are in ``prepared``; the WAV's bytes (up to --max-message-bytes)
+            # must not stay in memory for as long as the request queues and streams.
+            request = replace(request, encoder=replace(request.encoder, audio=None))
         self.stats.started += 1
         self.stats.active += 1
         ended = StreamEnd()
