@@ -36,7 +36,7 @@ def _serve(args: argparse.Namespace) -> int:
     from cachestore.secret_files import SecretFileError
     from services.api.logs import configure_logging
     from services.api.server import serve
-    from services.errors import ModelLoadError, StartupError
+    from services.errors import ModelLoadError, StartupError, WorkerDied
 
     settings = settings_from(args, Settings)
     configure_logging(settings.log_level, settings.log_format)
@@ -59,6 +59,9 @@ def _serve(args: argparse.Namespace) -> int:
     except (StoreURLError, SecretFileError, StartupError) as exc:
         print(f"kvshare serve: {exc}", file=sys.stderr)
         return 2
+    except WorkerDied as exc:
+        print(f"kvshare serve: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

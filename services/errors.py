@@ -42,6 +42,11 @@ class Unavailable(KVShareError):
     failed with this, the worker reports NOT_SERVING and exits; another replica can serve it."""
 
 
+class WorkerDied(KVShareError):
+    """The worker stopped serving on a fault of its own (its scheduler thread died): it exits
+    non-zero so that its orchestrator restarts it."""
+
+
 class NumericalError(KVShareError):
     """The model produced NaN or infinite logits for a request whose K/V was all computed by this
     worker (cached K/V under suspicion is dropped and recomputed instead): a fault of the model or

@@ -18,3 +18,13 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
 def test_every_subcommands_help_prints(name):
     text = subcommands()[name].format_help()
     assert text.startswith("usage: kvshare " + name)
+
+
+@pytest.mark.parametrize(("given", "field", "read"), [
+    ([], "cache_required", None), (["--cache-required"], "cache_required", True),
+    (["--cache-required", "false"], "cache_required", False), (["--cache-required", "--port", "7"], "cache_required", True),
+    (["--reflection", "no"], "reflection", False), (["--reflection"], "reflection", True)])
+def test_a_yes_no_setting_given_bare_means_yes(given, field, read):
+    """`--cache-required` alone is true; a value still says which (`--reflection false`); unset
+    (None) falls through to the environment and the default."""
+    assert getattr(build_parser().parse_args(["serve", *given]), field) is read

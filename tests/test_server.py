@@ -355,6 +355,9 @@ def test_unreachable_redis_is_said_at_start_and_the_worker_serves(tiny_model):
     with WorkerProcess(tiny_model, "--cache", f"redis://127.0.0.1:{port}/0") as w, grpc.insecure_channel(w.target) as channel:
         assert any("WARNING" in line and "unreachable at start-up" in line for line in w.log_lines), w.log_lines
         still_serves(pb_grpc.GeneratorStub(channel))
+        # Without --cache-required nothing watches the store: the Generator stays in rotation too.
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvshare.v1.Generator"))
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_one_json_log_line_per_request(tiny_model):

@@ -136,9 +136,19 @@ class _EngineCollector(Collector):
             yield breaker
 
 
+def serve_metrics(host: str, port: int) -> CollectorRegistry:
+    """Serves /metrics on ``host:port`` from a daemon thread, from the registry it returns, which
+    is empty until a WorkerMetrics fills it: the port is bound before the model loads, so a taken
+    one is refused at once. Raises OSError when it cannot be bound."""
+    registry = CollectorRegistry()
+    start_http_server(port, addr=host, registry=registry)
+    return registry
+
+
 class WorkerMetrics:
-    def __init__(self, engine: Engine) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, engine: Engine, registry: CollectorRegistry | None = None) -> None:
+        """The engine's metrics, in ``registry`` (None: a registry of their own)."""
+        self.registry = CollectorRegistry() if registry is None else registry
         r = self.registry
         self.ttft = Histogram("kvshare_time_to_first_token_seconds",
                               "Time to first token; prefix_cache=hit when some prompt blocks came from the store.",
@@ -172,7 +182,3 @@ class WorkerMetrics:
             self.fetch.observe(t.cache_fetch_ms / 1e3)
         for gap in np.diff(record.token_times).tolist():
             self.itl.observe(gap)
-
-    def serve(self, host: str, port: int) -> None:
-        """Serves /metrics on ``host:port`` from a daemon thread."""
-        start_http_server(port, addr=host, registry=self.registry)

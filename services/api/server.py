@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import ssl
@@ -19,23 +20,30 @@ from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
 from services.api.api_keys import ApiKeys
 from services.api.config import Settings
+from services.api.late_servicer import LOADING, LateServicer
 from services.api.method_handlers import add_generator_to_server
-from services.api.metrics import WorkerMetrics
+from services.api.metrics import WorkerMetrics, serve_metrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
 from services.engine.kv_connector.fetch_policy import PrefixFetch
 from services.engine.run_waits import LeaseOptions
 from services.engine.scheduler import SchedulerOptions
-from services.errors import StartupError
+from services.errors import StartupError, WorkerDied
 from services.runtime.device_arrays import open_device
 from services.runtime.device_choice import DeviceChoice
 from services.serving.announce import announce
 from services.serving.graceful import serve_until_signalled
+from services.serving.readiness import Readiness, watch_reachable
 
 log = logging.getLogger(__name__)
 
 
 PASSWORD_ENV = "KVSHARE_CACHE_PASSWORD"
+STREAM_WINDOW_BYTES = 256 * 1024
+"""The HTTP/2 window of each call to the API port: what a client may send it before it reads."""
+# --cache-required pings the store every --breaker-backoff-ms, but never more often than this: a
+# backoff of 0 would otherwise ping without pause.
+MIN_STORE_PING_MS = 100.0
 
 
 def _read_file(path: Path, what: str) -> bytes:
@@ -68,6 +76,7 @@ def store_options(settings: Settings) -> StoreOptions:
         password=cache_password(settings),
         keyring=keyring,
         lease_terms=LeaseTerms(settings.lease_max_ttl_ms, settings.lease_clock_skew_ms),
+        max_value_bytes=settings.cache_max_value_bytes,
     )
 
 
@@ -148,6 +157,7 @@ def load_engine(settings: Settings) -> Engine:
         max_stop_string_bytes=settings.max_stop_string_bytes, max_answer_bytes=settings.max_message_bytes,
         tokenizer_threads=settings.tokenizer_threads,
         audio_threads=settings.audio_threads, max_audio_requests=settings.max_audio_requests,
+        max_tokenize_requests=settings.max_tokenize_requests,
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms, max_ttl_ms=settings.lease_max_ttl_ms),
         prefix_fetch=PrefixFetch(settings.prefix_fetch), window_fetch=settings.window_fetch,
     )
@@ -177,12 +187,22 @@ def _listen(server: grpc.aio.Server, host: str, port: int, credentials: grpc.Ser
                            f"another {flag} (0 picks a free one)") from exc
 
 
+async def _stop_listening(server: grpc.aio.Server, health_server: grpc.aio.Server | None, front) -> None:
+    """Closes the ports of a worker whose model did not load."""
+    if front is not None:
+        await front.stop()
+    if health_server is not None:
+        await health_server.stop(None)
+    await server.stop(None)
+
+
 async def serve(settings: Settings) -> None:
-    """Serves until SIGTERM or SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while
-    still accepting calls, and stops, giving in-flight streams ``drain_s`` seconds to finish."""
+    """Binds its ports, then loads the model (a port in use is refused at once, not after the
+    load; meanwhile health reports NOT_SERVING and calls get UNAVAILABLE); serves until SIGTERM or
+    SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while still accepting calls,
+    and stops, giving in-flight streams ``drain_s`` seconds to finish."""
     credentials = server_credentials(settings)
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
-    engine = load_engine(settings)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -190,11 +210,21 @@ async def serve(settings: Settings) -> None:
             # gRPC sets SO_REUSEPORT by default: a second worker on a taken port would start and
             # silently split the calls with the first. Refuse the port instead.
             ("grpc.so_reuseport", 0),
-        ]
+            # What a client may send this server unread: a fixed 256 KiB window per stream, BDP
+            # probing off. With probing (gRPC's default) windows grew to 4 MiB, so each refused or
+            # trickled body put up to 4 MiB in memory (40 refused 22 MiB bodies: +114 MiB kept;
+            # now +2 MiB); uploads on loopback were no slower (docs/reliability.md).
+            ("grpc.http2.bdp_probe", 0),
+            ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
+        ],
+        maximum_concurrent_rpcs=settings.max_concurrent_rpcs or None,
     )
-    add_generator_to_server(GeneratorServicer(engine, keys), server)
+    generator = LateServicer()
+    add_generator_to_server(generator, server, settings.request_read_timeout_s)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    readiness = Readiness(health_servicer, SERVICE_NAME)
+    await readiness.hold(LOADING, server_wide=True)
     if settings.reflection:
         reflection.enable_server_reflection(
             (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
@@ -210,26 +240,19 @@ async def serve(settings: Settings) -> None:
         front = LocalFront(server, HttpLimits.of(settings))
     else:
         front = None
-    try:
-        port = _listen(server, settings.host, settings.port, credentials, "--port")
-        if health_server is not None:
-            _listen(health_server, settings.host, settings.health_port, None, "--health-port")
-    except StartupError:
-        engine.close()
-        raise
+    port = _listen(server, settings.host, settings.port, credentials, "--port")
+    if health_server is not None:
+        _listen(health_server, settings.host, settings.health_port, None, "--health-port")
+    registry = None
     if settings.metrics_port:
         try:
-            WorkerMetrics(engine).serve(settings.host, settings.metrics_port)
+            registry = serve_metrics(settings.host, settings.metrics_port)
         except OSError as exc:
-            engine.close()
             raise StartupError(f"cannot serve metrics on {settings.host}:{settings.metrics_port}: {exc.strerror}") from exc
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     await server.start()
     if health_server is not None:
         await health_server.start()
-    for service in ("", SERVICE_NAME):
-        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    if health_server is not None:
         log.info("health (grpc.health.v1 only, plaintext) on %s:%d", settings.host, settings.health_port)
     if front is not None:
         tls = None if credentials is None else tls_context(settings.tls_cert_file, settings.tls_key_file,
@@ -237,23 +260,49 @@ async def serve(settings: Settings) -> None:
         try:
             http_port = await front.start(settings.host, settings.http_port, tls)
         except StartupError:
-            await server.stop(None)
-            engine.close()
+            await _stop_listening(server, health_server, None)  # a front that did not start stopped itself
             raise
+    try:
+        # On a thread: the event loop answers health checks and calls meanwhile.
+        engine = await asyncio.to_thread(load_engine, settings)
+    except BaseException:
+        await _stop_listening(server, health_server, front)
+        raise
+    generator.ready(GeneratorServicer(engine, keys))
+    if registry is not None:
+        WorkerMetrics(engine, registry)
+    store_watch = None
+    if settings.cache_required:
+        store_watch = await watch_reachable(
+            engine.store.ping, readiness, f"cache store {engine.store.name} does not answer",
+            max(settings.breaker_backoff_ms, MIN_STORE_PING_MS) / 1e3, settings.breaker_failures)
+    await readiness.release(LOADING)
+    if front is not None:
         # Tests and scripts read this line to learn the port when --http-port 0 was given.
         announce(f"kvshare http listening on {settings.host}:{http_port}")
-    # Tests and scripts read this line to learn the port when --port 0 was given.
+    # Tests and scripts read this line to learn the port when --port 0 was given (and that the
+    # model has loaded: the port is bound, and answers, from before).
     announce(f"kvshare listening on {settings.host}:{port}")
     log.info("serving %s (%s, %s) on %s:%d (%s%s)", engine.spec.name, engine.session.device_name,
              engine.session.execution_provider, settings.host, port,
              "plaintext" if credentials is None else "TLS" if settings.tls_client_ca_file is None else "mutual TLS",
              ", API keys required" if keys else "")
 
-    await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s)
+    died = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    engine.scheduler.on_death.append(lambda _: loop.call_soon_threadsafe(died.set))
+    if engine.scheduler.died is not None:
+        died.set()
+    fatal = await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s, died)
+    if store_watch is not None:
+        store_watch.cancel()
     if front is not None:
         await front.stop()
     if health_server is not None:
         await health_server.stop(None)
     await engine.wait_for_publishes()
     engine.close()
+    if fatal:
+        raise WorkerDied(f"the scheduler stopped ({type(engine.scheduler.died).__name__}: {engine.scheduler.died}); "
+                         "exiting for a restart")
     log.info("stopped")

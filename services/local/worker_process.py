@@ -127,13 +127,14 @@ class ServerProcess:
 
 
 class WorkerProcess(ServerProcess):
-    """A running `kvshare serve --model MODEL --port 0 EXTRA_ARGS...`."""
+    """A running `kvshare serve --model MODEL --port 0 EXTRA_ARGS...` (``wait_serving=False`` for a
+    worker that is not to be SERVING: with --cache-required and its store down)."""
 
     def __init__(self, model: Path, *extra_args: str, env: dict[str, str] | None = None,
                  startup_timeout_s: float = 60.0, log_path: Path | None = None,
-                 credentials: grpc.ChannelCredentials | None = None) -> None:
+                 credentials: grpc.ChannelCredentials | None = None, wait_serving: bool = True) -> None:
         super().__init__(["serve", "--model", str(model), "--port", "0", *extra_args], env, startup_timeout_s,
-                         log_path, credentials)
+                         log_path, credentials, wait_serving)
 
 
 class RouterProcess(ServerProcess):

@@ -98,6 +98,8 @@ def add_settings_flags(parser: argparse.ArgumentParser, kind: type[FlagSettings]
             type=_converter(flag_type),
             choices=f.metadata.get("choices"),
             default=None,
+            # A yes/no flag given bare means yes (`--cache-required`), and still takes a value (`--reflection false`).
+            **({"nargs": "?", "const": True} if flag_type is bool else {}),
             help=f"{f.metadata['help']} (env {kind.env_prefix}{f.name.upper()}, default {f.default})",
         )
 

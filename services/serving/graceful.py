@@ -14,16 +14,33 @@ from grpc_health.v1 import health
 log = logging.getLogger(__name__)
 
 
+FATAL_GRACE_S = 1.0
+"""How long a server that can no longer serve gives its calls to receive their statuses (and its
+health watchers NOT_SERVING) before it stops."""
+
+
 async def serve_until_signalled(server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                                not_serving_s: float, drain_s: float) -> None:
+                                not_serving_s: float, drain_s: float, fatal: asyncio.Event | None = None) -> bool:
     """Returns once ``server`` has stopped: ``not_serving_s`` seconds after the signal, then at most
-    ``drain_s`` seconds of draining."""
+    ``drain_s`` seconds of draining; or, once ``fatal`` is set, NOT_SERVING at once and stopped
+    ``FATAL_GRACE_S`` later. Returns whether ``fatal`` ended it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    waits = [asyncio.ensure_future(stop.wait())]
+    if fatal is not None:
+        waits.append(asyncio.ensure_future(fatal.wait()))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for wait in waits:
+        wait.cancel()
+    if fatal is not None and fatal.is_set():
+        log.critical("cannot serve any more: NOT_SERVING, stopping in %.1f s", FATAL_GRACE_S)
+        await health_servicer.enter_graceful_shutdown()
+        await server.stop(FATAL_GRACE_S)
+        return True
     log.info("shutting down: NOT_SERVING for %.1f s, then draining for up to %.1f s", not_serving_s, drain_s)
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(not_serving_s)
     await server.stop(drain_s)
+    return False
