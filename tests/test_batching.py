@@ -40,8 +40,9 @@ def prompt(n: int, seed: int) -> list[int]:
 
 def make_engine(folder, store=None, **options) -> Engine:
     """An engine on ``folder``; ``options`` are EngineOptions fields or, for the rest, SchedulerOptions fields."""
-    engine_fields = {"block_size": B} | {k: options.pop(k) for k in ("store_read_threads", "store_write_threads",
-                                                                      "block_size", "cache_dtype", "leases") if k in options}
+    engine_keys = ("store_read_threads", "store_write_threads", "block_size", "cache_dtype", "leases",
+                   "max_tokenize_requests")
+    engine_fields = {"block_size": B} | {k: options.pop(k) for k in engine_keys if k in options}
     options = EngineOptions(scheduler=SchedulerOptions(**options), **engine_fields)
     return Engine.load(folder, options, store or MemoryStore(64 << 20), CacheStats(), "cpu", 2)
 

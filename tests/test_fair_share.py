@@ -188,8 +188,9 @@ def test_an_oversized_tokenize_is_refused_before_any_work_while_a_stream_runs(ti
     """Four Tokenize calls of 4.1M ids each (a 4 MB message) beside a running stream: each is
     refused INVALID_ARGUMENT naming token_ids and its limit, before its bytes are even parsed, and
     the stream's answer is the one it gets alone. Before, each was decoded in full (seconds holding
-    the GIL) and failed sending an answer over the message limit."""
-    engine = make_engine(tiny_model, max_unread_tokens=4096)
+    the GIL) and failed sending an answer over the message limit. (Eight Tokenize places: one client
+    holds four, so that all four calls pass the door and meet the size check.)"""
+    engine = make_engine(tiny_model, max_unread_tokens=4096, max_tokenize_requests=8)
     decoded = []
     tokenize = engine.inputs._tokenize
     engine.inputs._tokenize = lambda req: decoded.append(req) or tokenize(req)
