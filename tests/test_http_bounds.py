@@ -193,24 +193,36 @@ def test_bodies_in_flight_share_one_budget_given_back_however_they_end(worker):
     asyncio.run(scenario())
 
 
-def test_connections_past_the_limit_are_answered_503_at_once(worker):
+def test_connections_past_the_limit_take_an_idle_ones_place_or_are_answered_503_at_once(worker):
+    """At the limit, a new connection closes the one idle longest (no request begun: a silent
+    client) and takes its place; with every connection inside a request's head, it is answered 503
+    and closed at once. 512 silent connections shut everyone out for their 75 s of idle before."""
+    begun = b"GET /health HTTP/1.1\r\n"  # a head begun, not finished: that connection is not idle
+
     async def scenario() -> None:
-        async with face(worker, max_connections=2) as (http, port):
+        async with face(worker, max_connections=2, header_timeout_s=600) as (http, port):
             first, second = [await asyncio.open_connection("127.0.0.1", port) for _ in range(2)]
             await until(lambda: http.gate.open == 2, "both connections to be open")
+            for _, writer in (first, second):
+                writer.write(begun)
+            await until(lambda: not http.gate._idle, "both heads to arrive")  # noqa: SLF001
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             status, headers, body = await answer(reader)
             assert status == 503 and headers["Retry-After"] == "1" and headers["Connection"] == "close", body
             assert "--http-max-connections" in body["error"]["message"]
             assert await reader.read() == b""  # closed: nothing queued
             writer.close()
-            assert (http.gate.open, http.gate.refused) == (2, 1)
+            assert (http.gate.open, http.gate.refused, http.gate.evicted) == (2, 1, 0)
             first[1].close()
             await until(lambda: http.gate.open == 1, "the closed connection to be counted out")
+            silent = await asyncio.open_connection("127.0.0.1", port)
+            await until(lambda: http.gate.open == 2, "the silent connection to be open")
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"GET /health HTTP/1.1\r\nHost: kvshare\r\n\r\n")
             status, _, body = await answer(reader)
             assert (status, body) == (200, {"status": "ok"})
+            assert await silent[0].read() == b"", "the silent connection was closed for the new one"
+            assert (http.gate.open, http.gate.refused, http.gate.evicted) == (2, 1, 1)
             writer.close()
             second[1].close()
 

@@ -4,8 +4,10 @@ aiohttp has neither: its server takes every connection it is offered, and a clie
 request's head a byte at a time for as long as it likes (its keep-alive timer only closes a
 connection on which no request began). ``ConnectionGate`` is the listening socket's protocol
 factory: each connection gets a ``_Gated`` protocol, which hands it on to aiohttp's handler while
-fewer than ``limit`` are open, and otherwise answers 503 and closes it at once (nothing waits in a
-queue). It also watches each connection between requests: from the first byte of a request to the
+fewer than ``limit`` are open. At the limit, a new connection takes the place of the connection
+idle longest (open, no request begun: a silent client, or keep-alive between requests), which is
+closed, as nginx reuses idle keep-alive connections; with none idle it is answered 503 and closed
+at once (nothing waits in a queue). It also watches each connection between requests: from the first byte of a request to the
 moment its head reaches the application (``serving``, from the face's middleware), at most
 ``header_timeout_s``; past that the connection is aborted.
 """
@@ -41,7 +43,28 @@ class ConnectionGate:
         self.header_timeout_s = header_timeout_s
         self.open = 0
         self.refused = 0
+        self.evicted = 0
         self.refusal = _refusal(limit)
+        self._idle: dict[int, _Gated] = {}
+        """Connections with no request begun, longest idle first (dicts keep insertion order)."""
+
+    def idle(self, protocol: _Gated, idle: bool) -> None:
+        if idle:
+            self._idle[id(protocol)] = protocol
+        else:
+            self._idle.pop(id(protocol), None)
+
+    def make_room(self) -> bool:
+        """Whether one more connection may open: under the limit, or after closing the connection
+        idle longest."""
+        if self.open < self.limit:
+            return True
+        if not self._idle:
+            return False
+        _, oldest = next(iter(self._idle.items()))
+        oldest.evict()
+        self.evicted += 1
+        return True
 
     def factory(self, handler: Callable[[], asyncio.Protocol]) -> Callable[[], asyncio.Protocol]:
         """The protocol factory for ``loop.create_server``; ``handler`` makes aiohttp's protocol."""
@@ -62,6 +85,7 @@ class ConnectionGate:
             yield
         finally:
             protocol.in_request = False
+            protocol.set_idle(True)
 
 
 class _Gated(asyncio.Protocol):
@@ -79,7 +103,7 @@ class _Gated(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         gate = self._gate
-        if gate.open >= gate.limit:
+        if not gate.make_room():
             gate.refused += 1
             transport.write(gate.refusal)
             transport.close()
@@ -88,10 +112,25 @@ class _Gated(asyncio.Protocol):
         self._transport = transport
         self._inner = self._handler()
         self._inner.connection_made(transport)
+        self.set_idle(True)
+
+    def set_idle(self, idle: bool) -> None:
+        if self._inner is not None:
+            self._gate.idle(self, idle)
+
+    def evict(self) -> None:
+        """Closes this idle connection for a new one, counting it out now (its loss comes later)."""
+        self.disarm()
+        self._gate.idle(self, False)
+        self._gate.open -= 1
+        inner, self._inner = self._inner, None
+        self._transport.abort()
+        inner.connection_lost(None)
 
     def data_received(self, data: bytes) -> None:
         if self._inner is None:
             return
+        self.set_idle(False)
         if not self.in_request and self._deadline is None:
             self._deadline = asyncio.get_running_loop().call_later(self._gate.header_timeout_s, self._expire)
         self._inner.data_received(data)
@@ -110,6 +149,7 @@ class _Gated(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.disarm()
         if self._inner is not None:
+            self._gate.idle(self, False)
             self._gate.open -= 1
             inner, self._inner = self._inner, None
             inner.connection_lost(exc)
