@@ -159,3 +159,50 @@ def test_audio_beyond_the_door_is_refused_before_its_body_is_read(whisper_audio)
                     assert proxy.upstream_bytes < 1 << 20, f"{proxy.upstream_bytes} bytes of the refused call were sent"
             finally:
                 proxy.close()
+
+
+KEYS = {name: f"{name}-key-" + str(i) * 32 for i, name in enumerate(("a", "b", "c"))}
+
+
+def bodiless(channel: grpc.Channel, tenant: str, send: threading.Event) -> grpc.Future:
+    """A Tokenize call of ``tenant`` whose message is sent only once ``send`` is set."""
+    def messages():
+        send.wait(120)
+        yield pb.TokenizeRequest(text="late")
+
+    call = channel.stream_unary(TOKENIZE, request_serializer=pb.TokenizeRequest.SerializeToString,
+                                response_deserializer=pb.TokenizeResponse.FromString)
+    return call.future(messages(), timeout=120, metadata=(("authorization", f"Bearer {KEYS[tenant]}"),))
+
+
+def test_places_held_by_calls_whose_bodies_never_come_are_taken_back_for_another_client(tiny_model, tmp_path):
+    """--max-tokenize-requests 4, three tenants: a and b each hold their 2 places with calls whose
+    messages do not come. Tenant c's Tokenize is still served: it takes the oldest such place of a
+    client holding more than it would, and that call is refused RESOURCE_EXHAUSTED. Two clients
+    could otherwise keep every other client's Tokenize out for as long as they kept reopening."""
+    import hashlib
+
+    keys = tmp_path / "api-keys"
+    keys.write_text("".join(f"{t} {hashlib.sha256(k.encode()).hexdigest()}\n" for t, k in KEYS.items()))
+    with WorkerProcess(tiny_model, "--max-tokenize-requests", "4", "--api-keys-file", str(keys)) as worker, \
+            grpc.insecure_channel(worker.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        send = threading.Event()
+        held = []
+        try:
+            for tenant in ("a", "b"):
+                held += [bodiless(channel, tenant, send) for _ in range(2)]
+                metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
+                wait_until(lambda: refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60,
+                                                                 metadata=metadata)) is not None,
+                           60, f"tenant {tenant}'s two places")
+            answer = stub.Tokenize(pb.TokenizeRequest(text="hello"), timeout=60,
+                                   metadata=(("authorization", f"Bearer {KEYS['c']}"),))
+            assert answer.token_ids, "tenant c was served"
+            taken = next(f for f in held if f.done() or f.exception(timeout=60) is not None)
+            assert taken.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "refused before its message arrived" in taken.exception().details()
+        finally:
+            send.set()
+        outcomes = [f.exception() for f in held]
+        assert sum(e is None for e in outcomes) == 3, "the other held calls were answered once their messages came"

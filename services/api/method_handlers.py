@@ -30,6 +30,7 @@ from google.protobuf.message import Message
 from google.protobuf.message_factory import GetMessageClass
 
 from kvshare.v1 import generator_pb2 as pb
+from services.engine.door import Ticket
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generator"]
 
@@ -70,16 +71,30 @@ def lenient_deserializer(message_type: type[Message],
     return deserialize
 
 
-async def _one_message(context: grpc.aio.ServicerContext, read_timeout_s: float) -> Message:
+async def _one_message(context: grpc.aio.ServicerContext, read_timeout_s: float, place: Ticket | None) -> Message:
     """The call's single request message, read within ``read_timeout_s`` (0: no bound); a call
-    without one, or whose body does not arrive in time, is aborted."""
+    without one, whose body does not arrive in time, or whose place is taken back meanwhile (for
+    another client: ``door.Tickets``), is aborted."""
+    read = asyncio.ensure_future(context.read())
+    if place is not None:
+        loop = asyncio.get_running_loop()
+        place.waiting(lambda: loop.call_soon_threadsafe(read.cancel))
     try:
         async with asyncio.timeout(read_timeout_s or None):
-            request = await context.read()
+            request = await read
     except TimeoutError:
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                             f"the request message did not arrive within {read_timeout_s:g} s of the call "
                             "(--request-read-timeout-s): the worker holds no place for a body that does not come")
+    except asyncio.CancelledError:
+        if place is None or not place.revoked:
+            raise
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            "refused before its message arrived: every place for such calls was taken, and another "
+                            "client holding fewer took this one; send the message with the call, or retry later")
+    finally:
+        if place is not None:
+            place.waiting(None)
     if request is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
     if isinstance(request, Unparseable | Oversized):
@@ -96,7 +111,7 @@ def _admitted(behavior: Callable, admit: Callable, door: Callable, streaming: bo
         async def stream(_requests, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
             await admit(context)
             with await door(context) or contextlib.nullcontext() as place:
-                responses = behavior(await _one_message(context, read_timeout_s), context, place)
+                responses = behavior(await _one_message(context, read_timeout_s, place), context, place)
                 async for response in responses:  # holding no reference to the request: see servicer
                     yield response
         return stream
@@ -104,7 +119,7 @@ def _admitted(behavior: Callable, admit: Callable, door: Callable, streaming: bo
     async def unary(_requests, context: grpc.aio.ServicerContext) -> Message:
         await admit(context)
         with await door(context) or contextlib.nullcontext() as place:
-            request = await _one_message(context, read_timeout_s)
+            request = await _one_message(context, read_timeout_s, place)
             return await behavior(request, context, place)
     return unary
 

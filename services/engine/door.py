@@ -9,13 +9,17 @@ its answer made), or when the call ends before that.
 
 Invariants: at most ``capacity`` tickets are out at once, and at most ``per_client`` of them to one
 client (``fair_share.client_of``), so one client cannot take every place; a refusal is decided at
-once (``Overloaded``, counted in ``refused``), never by waiting.
+once (``Overloaded``, counted in ``refused``), never by waiting. A place whose call has not sent its
+body yet (``Ticket.waiting``) can be taken back: when every place is out, a client holding fewer
+places than the one holding most takes the oldest such place of that client, whose call is refused
+(``Ticket.revoke``), so calls that never send their bodies cannot keep other clients out.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.errors import Overloaded
@@ -38,6 +42,9 @@ class Tickets:
     """0: ``client_part(capacity)``."""
     held: Counter[str] = field(default_factory=Counter)
     refused: int = 0
+    revoked: int = 0
+    _waiting: list[Ticket] = field(default_factory=list, repr=False)
+    """Places whose calls have not sent their bodies yet, oldest first."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -52,6 +59,9 @@ class Tickets:
         """A place for ``client``'s call, or ``Overloaded`` at once."""
         with self._lock:
             total = sum(self.held.values())
+            if total >= self.capacity and self.held[client] < self.per_client:
+                self._take_back(client)
+                total = sum(self.held.values())
             if total >= self.capacity:
                 self.refused += 1
                 raise Overloaded(f"{total} {self.what} already in progress, the most this worker takes ({self.flag} "
@@ -64,11 +74,41 @@ class Tickets:
             self.held[client] += 1
         return Ticket(self, client)
 
-    def _give_back(self, client: str) -> None:
+    def _take_back(self, client: str) -> None:
+        """Revokes the oldest waiting place of the client holding the most places, when it holds
+        more than ``client`` would with one more (lock held)."""
+        most = max((t.client for t in self._waiting), key=lambda c: self.held[c], default=None)
+        if most is None or self.held[most] <= self.held[client] + 1:
+            return
+        ticket = next(t for t in self._waiting if t.client == most)
+        self._waiting.remove(ticket)
+        self.revoked += 1
+        ticket.revoked = True
+        self._free(ticket)
+        if ticket.on_revoke is not None:
+            ticket.on_revoke()
+
+    def _free(self, ticket: Ticket) -> None:
+        ticket.open = False
+        self.held[ticket.client] -= 1
+        if not self.held[ticket.client]:
+            del self.held[ticket.client]
+
+    def _give_back(self, ticket: Ticket) -> None:
         with self._lock:
-            self.held[client] -= 1
-            if not self.held[client]:
-                del self.held[client]
+            if ticket in self._waiting:
+                self._waiting.remove(ticket)
+            if ticket.open:
+                self._free(ticket)
+
+    def _wait(self, ticket: Ticket, on_revoke: Callable[[], None] | None) -> None:
+        with self._lock:
+            ticket.on_revoke = on_revoke
+            if on_revoke is None:
+                if ticket in self._waiting:
+                    self._waiting.remove(ticket)
+            elif ticket.open:
+                self._waiting.append(ticket)
 
 
 @dataclass(slots=True, eq=False)
@@ -78,11 +118,19 @@ class Ticket:
     tickets: Tickets
     client: str
     open: bool = True
+    revoked: bool = False
+    """Taken back for another client's call (it is no longer held)."""
+    on_revoke: Callable[[], None] | None = None
+
+    def waiting(self, on_revoke: Callable[[], None] | None) -> None:
+        """``on_revoke``: this place's call has not sent its body yet, and is ended by calling it
+        if the place is taken back (called under the tickets' lock, on the thread taking it: it
+        must only schedule the ending). None: the body came; the place can no longer be taken."""
+        self.tickets._wait(self, on_revoke)
 
     def release(self) -> None:
         if self.open:
-            self.open = False
-            self.tickets._give_back(self.client)
+            self.tickets._give_back(self)
 
     def __enter__(self) -> Ticket:
         return self
