@@ -22,6 +22,7 @@ pytestmark = pytest.mark.subprocess
 
 KEYS = {"a": "tenant-a-key-" + "1" * 32, "b": "tenant-b-key-" + "2" * 32}
 DEADLINE_S = 10.0
+QUEUED = 16
 
 
 def auth(tenant: str) -> tuple[tuple[str, str], ...]:
@@ -31,7 +32,7 @@ def auth(tenant: str) -> tuple[tuple[str, str], ...]:
 def test_a_burst_with_push_out_ends_in_refusals_never_in_deadline_exceeded(tiny_model, tmp_path):
     keys = tmp_path / "api-keys"
     keys.write_text("".join(f"{t} {hashlib.sha256(k.encode()).hexdigest()}\n" for t, k in KEYS.items()))
-    with WorkerProcess(tiny_model, "--api-keys-file", str(keys), "--max-batch", "1", "--max-queued", "16",
+    with WorkerProcess(tiny_model, "--api-keys-file", str(keys), "--max-batch", "1", "--max-queued", str(QUEUED),
                        "--max-unread-tokens", "2", "--max-paused-s", "3600", "--yield-paused-s", "3600") as worker:
         async def scenario() -> tuple[Counter, int]:
             # The holder's channel keeps HTTP/2 windows at 64 KiB: with 20 log-probabilities a token,
@@ -44,8 +45,7 @@ def test_a_burst_with_push_out_ends_in_refusals_never_in_deadline_exceeded(tiny_
                     metadata=auth("a"))
                 await holder.read()  # it holds the only slot from here on, paused: nobody reads it
 
-                async def one(i: int) -> str:
-                    tenant = "ab"[i % 2]
+                async def one(i: int, tenant: str) -> str:
                     call = stub.Generate(pb.GenerateRequest(prompt=f"question {i}", max_new_tokens=2),
                                          metadata=auth(tenant), timeout=DEADLINE_S)
                     try:
@@ -55,7 +55,13 @@ def test_a_burst_with_push_out_ends_in_refusals_never_in_deadline_exceeded(tiny_
                         return exc.code().name + (" pushed out" if "another client arrived" in exc.details() else "")
                     return "OK"
 
-                outcomes = Counter(await asyncio.gather(*(one(i) for i in range(500))))
+                # Tenant A's half first: once all but the 16 it queued have their refusals, tenant B's
+                # half arrives holding fewer rows, and pushes A's newest queued requests out.
+                first = [asyncio.ensure_future(one(i, "a")) for i in range(250)]
+                while sum(call.done() for call in first) < 250 - QUEUED:
+                    await asyncio.sleep(0.01)
+                second = [asyncio.ensure_future(one(i, "b")) for i in range(250)]
+                outcomes = Counter(await asyncio.gather(*first, *second))
                 holder.cancel()
                 return outcomes
 
