@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import grpc
 import pytest
-from conftest import wait_until
 from test_encoder_audio import CLIP, PROMPT, whisper_audio  # noqa: F401 - the fixture is used here too
 
 from kvshare.v1 import generator_pb2 as pb
@@ -29,23 +29,35 @@ AUDIO_BYTES = 20 * 1024 * 1024
 
 
 @contextmanager
-def held_call(channel: grpc.Channel, method: str, request, streaming: bool) -> Iterator[threading.Event]:
+def held_call(channel: grpc.Channel, method: str, request, streaming: bool,
+              probe: Callable[[], bool]) -> Iterator[threading.Event]:
     """A call to ``method`` whose request message is sent only once the yielded event is set (the
     call goes out as a request stream: on the wire, the same as a unary request that is slow to
-    come); on leaving, the event is set and the call's outcome awaited."""
-    send = threading.Event()
+    come), yielded once it holds its place: ``probe()``, a call of the same client, is refused. A
+    held call that lost the place to a probe (refused at the door itself) is made again. On
+    leaving, the event is set and the call's outcome awaited."""
+    deadline = time.monotonic() + 120  # a failsafe, not a measure: each try ends on an answer
+    while True:
+        send = threading.Event()
 
-    def messages():
-        send.wait(120)
-        yield request
+        def messages(send=send):
+            send.wait(120)
+            yield request
 
-    serialize = type(request).SerializeToString
-    if streaming:
-        call = channel.stream_stream(method, request_serializer=serialize, response_deserializer=pb.GenerateResponse.FromString)
-        outcome = call(messages(), timeout=120)
-    else:
-        call = channel.stream_unary(method, request_serializer=serialize, response_deserializer=pb.TokenizeResponse.FromString)
-        outcome = call.future(messages(), timeout=120)
+        serialize = type(request).SerializeToString
+        if streaming:
+            call = channel.stream_stream(method, request_serializer=serialize,
+                                         response_deserializer=pb.GenerateResponse.FromString)
+            outcome = call(messages(), timeout=120)
+        else:
+            call = channel.stream_unary(method, request_serializer=serialize,
+                                        response_deserializer=pb.TokenizeResponse.FromString)
+            outcome = call.future(messages(), timeout=120)
+        while not outcome.done() and not probe():
+            assert time.monotonic() < deadline, "timed out waiting for the held call's place"
+        if not outcome.done():
+            break
+        assert outcome.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, outcome.details()
     try:
         yield send
     finally:
@@ -78,11 +90,10 @@ def test_a_tokenize_flood_is_refused_at_the_door_and_generate_never_waits_behind
     included, and its Generate calls are served meanwhile (they never queue behind Tokenize)."""
     with grpc.insecure_channel(tokenize_worker.target) as channel:
         stub = pb_grpc.GeneratorStub(channel)
-        with held_call(channel, TOKENIZE, pb.TokenizeRequest(text="hello"), streaming=False):
-            def probe() -> grpc.RpcError | None:
-                return refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60))
+        def probe() -> bool:
+            return refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60)) is not None
 
-            wait_until(lambda: probe() is not None, 60, "the held call's place")
+        with held_call(channel, TOKENIZE, pb.TokenizeRequest(text="hello"), streaming=False, probe=probe):
             flood = [stub.Tokenize.future(pb.TokenizeRequest(text=BIG_TEXT), timeout=60) for _ in range(20)]
             outcomes = [refused(f.result) for f in flood]
             assert all(outcomes), "every Tokenize of the client holding its place was refused"
@@ -144,11 +155,10 @@ def test_audio_beyond_the_door_is_refused_before_its_body_is_read(whisper_audio)
     with WorkerProcess(whisper_audio, "--max-audio-requests", "2") as worker, \
             grpc.insecure_channel(worker.target) as channel:
         held = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, ignore_eos=True, encoder_audio=CLIP)
-        with held_call(channel, GENERATE, held, streaming=True):
-            stub = pb_grpc.GeneratorStub(channel)
-            probe = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=1, encoder_audio=CLIP)
-            wait_until(lambda: refused(lambda: list(stub.Generate(probe, timeout=60))) is not None, 60,
-                       "the held call's place")
+        stub = pb_grpc.GeneratorStub(channel)
+        probe = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=1, encoder_audio=CLIP)
+        with held_call(channel, GENERATE, held, streaming=True,
+                       probe=lambda: refused(lambda: list(stub.Generate(probe, timeout=60))) is not None):
             proxy = CountingProxy(worker.target)
             try:
                 with grpc.insecure_channel(proxy.target, options=[("grpc.max_send_message_length", 64 << 20)]) as far:
@@ -188,18 +198,30 @@ def test_places_held_by_calls_whose_bodies_never_come_are_taken_back_for_another
             grpc.insecure_channel(worker.target) as channel:
         stub = pb_grpc.GeneratorStub(channel)
         send = threading.Event()
-        held = []
+        deadline = time.monotonic() + 120  # a failsafe, not a measure: each step ends on an answer
+
+        def hold(tenant: str) -> list[grpc.Future]:
+            """Two calls of ``tenant`` holding its two places (one refused at the door, having lost
+            the race for a place to a probe, is made again)."""
+            calls: list[grpc.Future] = []
+            metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
+            while True:
+                calls = [c for c in calls if not c.done()]
+                calls += [bodiless(channel, tenant, send) for _ in range(2 - len(calls))]
+                if refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60, metadata=metadata)) \
+                        and not any(c.done() for c in calls):
+                    return calls
+                assert time.monotonic() < deadline, f"timed out waiting for tenant {tenant}'s two places"
+
+        held: list[grpc.Future] = []
         try:
-            for tenant in ("a", "b"):
-                held += [bodiless(channel, tenant, send) for _ in range(2)]
-                metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
-                wait_until(lambda: refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60,
-                                                                 metadata=metadata)) is not None,
-                           60, f"tenant {tenant}'s two places")
+            held = hold("a") + hold("b")
             answer = stub.Tokenize(pb.TokenizeRequest(text="hello"), timeout=60,
                                    metadata=(("authorization", f"Bearer {KEYS['c']}"),))
             assert answer.token_ids, "tenant c was served"
-            taken = next(f for f in held if f.done() or f.exception(timeout=60) is not None)
+            while not any(f.done() for f in held):
+                assert time.monotonic() < deadline, "timed out waiting for the place taken back"
+            taken = next(f for f in held if f.done())
             assert taken.exception().code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "refused before its message arrived" in taken.exception().details()
         finally:
