@@ -6,10 +6,10 @@ codes: Unauthenticated -> UNAUTHENTICATED, InvalidRequest -> INVALID_ARGUMENT, R
 -> OUT_OF_RANGE, FailedPrecondition (messages without a chat template) -> FAILED_PRECONDITION,
 Overloaded (every slot busy and the queue full) -> RESOURCE_EXHAUSTED, Unavailable (the scheduler
 stopped: the worker is exiting) -> UNAVAILABLE, anything unexpected -> INTERNAL (a bug, logged with
-its traceback). ``door`` refuses a call its engine would refuse before the call's body is read. Oversized messages never get here: gRPC
-refuses them with RESOURCE_EXHAUSTED; nor do requests that do not parse, nor a TokenizeRequest
-larger than any valid one (``size_check``, before it is parsed): services/api/method_handlers.py
-answers them INVALID_ARGUMENT. A call counts against its client's fair share (its tenant, else its
+its traceback). ``door`` refuses a call its engine would refuse before the call's body is read.
+Oversized messages never get here: gRPC refuses them with RESOURCE_EXHAUSTED; nor do requests that
+do not parse, nor a TokenizeRequest larger than any valid one (``size_check``, before it is
+parsed): services/api/method_handlers.py answers them INVALID_ARGUMENT. A call counts against its client's fair share (its tenant, else its
 address: ``fair_share.client_of``).
 
 Converting a message costs the event loop O(its size); repeated fields are handed to the engine as

@@ -141,9 +141,7 @@ class Admission:
                 f"refused while queued: the worker was full and another client arrived holding fewer rows than this "
                 f"client's {life.shares.held[victim[0].client]} (running, queued or being prepared), the most of any "
                 "client; retry later or on another replica")
-            for seq in victim:
-                life.fail(seq, exc)
-            wake_consumers(victim)
+            self._refuse_queued(victim, exc)
         return True
 
     def submit(self, rows: list[Sequence], reservation: Reservation) -> None:
@@ -280,6 +278,10 @@ class Admission:
             exc = Overloaded(f"refused while queued: this request could not start before its deadline ({left:.1f} s "
                              f"left, {life.queued} rows queued, {len(life.active)} running); retry later or on "
                              "another replica")
-            for seq in rows:
-                life.fail(seq, exc)
-            wake_consumers(rows)
+            self._refuse_queued(rows, exc)
+
+    def _refuse_queued(self, rows: list[Sequence], exc: Overloaded) -> None:
+        """Ends a queued request's rows with ``exc`` and wakes its caller now (lock held)."""
+        for seq in rows:
+            self.life.fail(seq, exc)
+        wake_consumers(rows)

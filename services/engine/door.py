@@ -12,7 +12,7 @@ client (``fair_share.client_of``), so one client cannot take every place; a refu
 once (``Overloaded``, counted in ``refused``), never by waiting. A place whose call has not sent its
 body yet (``Ticket.waiting``) can be taken back: when every place is out, a client holding fewer
 places than the one holding most takes the oldest such place of that client, whose call is refused
-(``Ticket.revoke``), so calls that never send their bodies cannot keep other clients out.
+(its ``on_revoke``), so calls that never send their bodies cannot keep other clients out.
 """
 
 from __future__ import annotations
@@ -58,11 +58,9 @@ class Tickets:
     def take(self, client: str) -> Ticket:
         """A place for ``client``'s call, or ``Overloaded`` at once."""
         with self._lock:
-            total = sum(self.held.values())
-            if total >= self.capacity and self.held[client] < self.per_client:
+            if self.holding >= self.capacity and self.held[client] < self.per_client:
                 self._take_back(client)
-                total = sum(self.held.values())
-            if total >= self.capacity:
+            if (total := self.holding) >= self.capacity:
                 self.refused += 1
                 raise Overloaded(f"{total} {self.what} already in progress, the most this worker takes ({self.flag} "
                                  f"{self.capacity}); retry later or on another replica")
