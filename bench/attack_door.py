@@ -22,7 +22,6 @@ against one worker process with two tenants (API keys), on the bench model:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import sys
 import tempfile
 import threading
@@ -38,6 +37,7 @@ from bench.load import REFUSAL_P99_MS, RssSampler
 from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import key_line
 from services.local.worker_process import WorkerProcess
 
 KEYS = {"hoarder": "hoarder-key-" + "3" * 32, "victim": "victim-key-" + "4" * 32}
@@ -52,7 +52,7 @@ def auth(tenant: str) -> tuple[tuple[str, str], ...]:
 
 def keys_file(folder: Path) -> Path:
     path = folder / "api-keys"
-    path.write_text("".join(f"{t} {hashlib.sha256(k.encode()).hexdigest()}\n" for t, k in KEYS.items()))
+    path.write_text("".join(key_line(t, k) for t, k in KEYS.items()))
     return path
 
 

@@ -42,7 +42,6 @@ DEADLINE_EXCEEDED, UNKNOWN or INTERNAL; the door's refusal p99 ≤ 1.5 x the flo
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import shutil
 import socket
@@ -65,6 +64,7 @@ from bench.load import RssSampler
 from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import key_line
 from services.local.redis_process import free_port
 from services.local.traffic import FIRST_TOKEN_ID
 from services.local.worker_process import WorkerProcess
@@ -95,7 +95,7 @@ def auth(tenant: str) -> tuple[tuple[str, str], ...]:
 
 def keys_file(folder: Path) -> Path:
     path = folder / "api-keys"
-    path.write_text("".join(f"{t} {hashlib.sha256(k.encode()).hexdigest()}\n" for t, k in KEYS.items()))
+    path.write_text("".join(key_line(t, k) for t, k in KEYS.items()))
     return path
 
 

@@ -27,7 +27,6 @@ skips them):
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import sys
 import tempfile
@@ -45,6 +44,7 @@ from cachestore.keys import Namespace, block_hashes, block_key
 from cachestore.prefix import CANONICAL_LAYOUT
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import key_line
 from services.local.model_cache import cache_dir, ensure_model
 from services.local.redis_process import RedisServer, stored_values
 from services.local.worker_process import WorkerProcess
@@ -168,8 +168,7 @@ def cache_attacks(args) -> int:
         folder = Path(tmp)
         (folder / "signing").write_text(f"k1 {rng.bytes(32).hex()}\n")
         (folder / "namespace").write_text(rng.bytes(32).hex())
-        (folder / "api-keys").write_text("".join(f"{tenant} {hashlib.sha256(key.encode()).hexdigest()}\n"
-                                                 for tenant, key in (("victim", VICTIM_KEY), ("attacker", ATTACKER_KEY))))
+        (folder / "api-keys").write_text(key_line("victim", VICTIM_KEY) + key_line("attacker", ATTACKER_KEY))
         redis_server = stack.enter_context(RedisServer())
         redis_client = stack.enter_context(redis_server.client())
         common = ("--cache", redis_server.url, "--block-size", str(BLOCK), "--intra-op-threads", str(INTRA_OP_THREADS))

@@ -26,6 +26,7 @@ from cachestore.signing import Keyring
 from cachestore.stats import CacheStats
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import key_line
 from services.local.redis_process import (
     RedisClusterServers,
     RedisServer,
@@ -56,7 +57,7 @@ def generate(stub, ids=PROMPT, metadata=(), salt=""):
 def keys_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("auth") / "api-keys"
     path.write_text("# tenant  sha256(key)\n" + "".join(
-        f"{tenant} {hashlib.sha256(key.encode()).hexdigest()}\n" for tenant, key in KEYS.items()))
+        key_line(tenant, key) for tenant, key in KEYS.items()))
     return path
 
 

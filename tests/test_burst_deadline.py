@@ -8,7 +8,6 @@ callers', and a refusal before it is the only answer that is not DEADLINE_EXCEED
 from __future__ import annotations
 
 import asyncio
-import hashlib
 from collections import Counter
 
 import grpc
@@ -16,6 +15,7 @@ import pytest
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import key_line
 from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess
@@ -31,7 +31,7 @@ def auth(tenant: str) -> tuple[tuple[str, str], ...]:
 
 def test_a_burst_with_push_out_ends_in_refusals_never_in_deadline_exceeded(tiny_model, tmp_path):
     keys = tmp_path / "api-keys"
-    keys.write_text("".join(f"{t} {hashlib.sha256(k.encode()).hexdigest()}\n" for t, k in KEYS.items()))
+    keys.write_text("".join(key_line(t, k) for t, k in KEYS.items()))
     with WorkerProcess(tiny_model, "--api-keys-file", str(keys), "--max-batch", "1", "--max-queued", str(QUEUED),
                        "--max-unread-tokens", "2", "--max-paused-s", "3600", "--yield-paused-s", "3600") as worker:
         async def scenario() -> tuple[Counter, int]:

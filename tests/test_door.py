@@ -19,6 +19,7 @@ from test_encoder_audio import CLIP, PROMPT, whisper_audio  # noqa: F401 - the f
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import key_line
 from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess
@@ -190,10 +191,9 @@ def test_places_held_by_calls_whose_bodies_never_come_are_taken_back_for_another
     messages do not come. Tenant c's Tokenize is still served: it takes the oldest such place of a
     client holding more than it would, and that call is refused RESOURCE_EXHAUSTED. Two clients
     could otherwise keep every other client's Tokenize out for as long as they kept reopening."""
-    import hashlib
 
     keys = tmp_path / "api-keys"
-    keys.write_text("".join(f"{t} {hashlib.sha256(k.encode()).hexdigest()}\n" for t, k in KEYS.items()))
+    keys.write_text("".join(key_line(t, k) for t, k in KEYS.items()))
     with WorkerProcess(tiny_model, "--max-tokenize-requests", "4", "--api-keys-file", str(keys)) as worker, \
             grpc.insecure_channel(worker.target) as channel:
         stub = pb_grpc.GeneratorStub(channel)

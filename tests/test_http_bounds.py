@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import gzip
-import hashlib
 import json
 import socket
 import struct
@@ -26,6 +25,7 @@ import pytest
 from conftest import wait_until
 from test_route import LOG_TIMEOUT_S
 
+from services.api.api_keys import key_line
 from services.http.app import MAX_JSON_BYTES, HttpFace
 from services.http.limits import HttpLimits
 from services.http.upstream import Upstream
@@ -44,7 +44,7 @@ PIECE = 64 * 1024
 @pytest.fixture(scope="module")
 def worker(tiny_model, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
-    keys.write_text(f"tenant-a {hashlib.sha256(KEY.encode()).hexdigest()}\n")
+    keys.write_text(key_line("tenant-a", KEY))
     with WorkerProcess(tiny_model, "--api-keys-file", str(keys), "--http-port", str(free_port())) as w:
         yield w
 

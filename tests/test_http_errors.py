@@ -6,7 +6,6 @@ wait is for a state (a log line, a metrics gauge), never for a duration."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import http.client
 import json
 import socket
@@ -21,6 +20,7 @@ from conftest import wait_until
 from test_route import LOG_TIMEOUT_S, running
 
 from kvshare.v1 import generator_pb2 as pb
+from services.api.api_keys import key_line
 from services.http.upstream import Caller, Upstream
 from services.local.redis_process import free_port
 from services.local.worker_process import WorkerProcess
@@ -36,7 +36,7 @@ LIMIT = 65536
 @pytest.fixture(scope="module")
 def worker(tiny_model, tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api_keys"
-    keys.write_text(f"tenant-a {hashlib.sha256(KEY.encode()).hexdigest()}\n")
+    keys.write_text(key_line("tenant-a", KEY))
     with WorkerProcess(tiny_model, "--api-keys-file", str(keys), "--http-port", str(free_port()),
                        "--max-message-bytes", str(LIMIT)) as w:
         yield w

@@ -32,6 +32,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
+from services.api.api_keys import key_line
 from services.client import complete
 from services.local.redis_process import free_port
 from services.local.worker_process import RouterProcess, WorkerProcess
@@ -626,7 +627,7 @@ def test_a_frozen_workers_stream_ends_unavailable_naming_it_and_the_messages_pas
 def test_api_keys_pass_through_and_dns_discovery(tiny_model, tmp_path):
     key = "route-test-key-0123456789"
     keys = tmp_path / "api-keys"
-    keys.write_text(f"acme {hashlib.sha256(key.encode()).hexdigest()}\n")
+    keys.write_text(key_line("acme", key))
     with WorkerProcess(tiny_model, "--api-keys-file", str(keys)) as worker:
         port = worker.target.rsplit(":", 1)[1]
         # localhost may resolve to ::1 as well, where nothing listens: that record is unhealthy.

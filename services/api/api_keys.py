@@ -20,6 +20,12 @@ _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 BEARER = "bearer "
 
 
+def key_line(tenant: str, key: str) -> str:
+    """The key file's line for ``tenant``'s ``key``, as ``ApiKeys.load`` reads it: the key's SHA-256
+    in hex, never the key."""
+    return f"{tenant} {hashlib.sha256(key.encode()).hexdigest()}\n"
+
+
 @dataclass(frozen=True)
 class ApiKeys:
     tenant_by_digest: dict[bytes, str] = field(repr=False)
