@@ -228,3 +228,46 @@ def test_places_held_by_calls_whose_bodies_never_come_are_taken_back_for_another
             send.set()
         outcomes = [f.exception() for f in held]
         assert sum(e is None for e in outcomes) == 3, "the other held calls were answered once their messages came"
+
+
+def test_a_message_longer_than_any_valid_request_is_refused_on_its_length(tiny_model):
+    """A text model's worker reads no request message longer than its largest valid request
+    (``RequestLimits.message_bytes``: ~170 KB for the tiny model), so a 4 MiB prompt is refused
+    RESOURCE_EXHAUSTED by gRPC on the message's length prefix, and no more than one stream window
+    of it crossed the wire: before, the worker read all 4 MiB (its limit was --max-message-bytes,
+    32 MiB) and then refused the prompt, and a call whose message never ended held what it had."""
+    with WorkerProcess(tiny_model) as worker:
+        proxy = CountingProxy(worker.target)
+        try:
+            with grpc.insecure_channel(proxy.target, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+                big = pb.GenerateRequest(prompt="a" * (4 << 20), max_new_tokens=1)
+                exc = refused(lambda: list(pb_grpc.GeneratorStub(channel).Generate(big, timeout=60)))
+                assert exc is not None and "larger than max" in exc.details(), exc
+                assert proxy.upstream_bytes < 1 << 20, f"{proxy.upstream_bytes} bytes of the refused call were sent"
+                answer = list(pb_grpc.GeneratorStub(channel).Generate(
+                    pb.GenerateRequest(prompt="hello", max_new_tokens=2, ignore_eos=True), timeout=60))
+                assert sum(len(m.token_ids) for m in answer) == 2
+        finally:
+            proxy.close()
+
+
+def test_calls_whose_messages_are_arriving_hold_receiving_places(tiny_model):
+    """--max-message-bytes 65536 and --max-receiving-bytes 131072: two calls' messages may be
+    arriving at once, one client's at most one. While one text Generate call of this client waits
+    for its message, its GetModelInfo is refused RESOURCE_EXHAUSTED naming the bound (every method
+    the door gives no place of its own takes one here); once the message came, it is served."""
+    with WorkerProcess(tiny_model, "--max-message-bytes", "65536", "--max-receiving-bytes", "131072") as worker, \
+            grpc.insecure_channel(worker.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        held = pb.GenerateRequest(prompt="hello", max_new_tokens=2, ignore_eos=True)
+        refusals: list[grpc.RpcError] = []
+
+        def probe() -> bool:
+            exc = refused(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60))
+            refusals.extend([exc] if exc else [])
+            return exc is not None
+
+        with held_call(channel, GENERATE, held, streaming=True, probe=probe):
+            assert "the most one client may (1: half of --max-receiving-bytes 131072 over messages of up to 65536 " \
+                   "bytes: 2)" in refusals[-1].details(), refusals[-1].details()
+        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).name

@@ -312,3 +312,17 @@ def test_a_requests_calls_share_one_deadline():
     assert Caller.from_headers(None, 0).timeout_s is None
     assert 0 < Caller.from_headers(None, 30).timeout_s <= 30
     assert Caller((), time.monotonic() - 1).timeout_s == 0
+
+
+def test_a_prompt_longer_than_any_valid_request_is_413_not_a_rate_limit(tiny_model):
+    """The tiny model's worker reads no gRPC message longer than its largest valid request
+    (~170 KB): a 1 MB prompt, within the HTTP face's 4 MiB JSON bound, is refused on its length by
+    gRPC's RESOURCE_EXHAUSTED, which here is a 413 naming the sizes, never a 429 (a client retries a
+    429, and no retry of this request can succeed); the server serves on."""
+    with WorkerProcess(tiny_model, "--http-port", str(free_port())) as worker:
+        face = client(worker)
+        with pytest.raises(openai.APIStatusError) as info:
+            face.completions.create(model=model_of(worker), max_tokens=2, prompt="a" * 1_000_000)
+        assert info.value.status_code == 413, info.value
+        assert info.value.body["code"] == "request_too_large" and "bytes" in info.value.body["message"]
+        assert face.completions.create(model=model_of(worker), prompt="hello", max_tokens=2).choices[0].text is not None

@@ -137,16 +137,22 @@ def test_a_taken_port_is_refused_before_the_model_loads(tmp_path, flag, says):
     assert "Traceback" not in proc.stderr
 
 
+HELD = "tokenizer_config.json"
+"""The file of the model folder a loading worker is held at (its chat template)."""
+
+
 @pytest.fixture()
 def held_model(tmp_path, tiny_model) -> Path:
-    """The tiny model's folder, but its genai_config.json a FIFO: a worker loading it waits, inside
-    the load, until the test writes the real file into it."""
+    """The tiny model's folder, but its tokenizer_config.json a FIFO: a worker loading it waits,
+    inside the load (after the sessions, which read the weights; the spec and tokenizer, which
+    bound a request message, are read before the ports are served), until the test writes the
+    real file into it."""
     folder = tmp_path / "held"
     folder.mkdir()
     for item in tiny_model.iterdir():
-        if item.name != "genai_config.json":
+        if item.name != HELD:
             (folder / item.name).symlink_to(item)
-    os.mkfifo(folder / "genai_config.json")
+    os.mkfifo(folder / HELD)
     return folder
 
 
@@ -176,7 +182,7 @@ def test_ports_answer_while_the_model_loads(held_model, tiny_model, tmp_path):
                                  "--port", str(port), "--health-port", str(health_port), "--http-port", str(http_port)],
                                 stdout=log, stderr=subprocess.STDOUT, cwd=ROOT)
     try:
-        loader = open_for_the_loader(held_model / "genai_config.json", proc)
+        loader = open_for_the_loader(held_model / HELD, proc)
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, \
                     grpc.insecure_channel(f"127.0.0.1:{health_port}") as probe:
@@ -190,7 +196,7 @@ def test_ports_answer_while_the_model_loads(held_model, tiny_model, tmp_path):
                 assert "kvshare listening" not in log_path.read_text()
 
                 watch = statuses(channel, GENERATOR)
-                os.write(loader, (tiny_model / "genai_config.json").read_bytes())
+                os.write(loader, (tiny_model / HELD).read_bytes())
                 os.close(loader)
                 loader = None
                 until(watch, SERVING)

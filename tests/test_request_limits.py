@@ -11,7 +11,16 @@ from hypothesis import strategies as st
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.client import complete
-from services.engine.request_limits import derived_prompt_bytes, utf8_length
+from services.engine.request_limits import (
+    MAX_MESSAGES,
+    MAX_REQUEST_ID_CHARS,
+    MAX_SALT_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_SUPPRESS_TOKEN_IDS,
+    RequestLimits,
+    derived_prompt_bytes,
+    utf8_length,
+)
 from services.local.worker_process import WorkerProcess
 from services.runtime.tokenizer import TextTokenizer, TokenBytes, _shrinker
 
@@ -126,3 +135,50 @@ def test_tokenizers_that_can_drop_text_are_named(tokenizer):
                                     "model": {"type": "BPE", "unk_token": "<unk>", "fuse_unk": True}},
     }
     assert {_shrinker(c): name for name, c in drops.items()} == {name: name for name in drops}
+
+
+WIDE = "\U0001F600"
+"""A character of 4 bytes in UTF-8: a limit counted in characters holds the most bytes with it."""
+LARGEST_ID = 2**31 - 1
+"""An int32 id of the longest varint a valid id can have (5 bytes)."""
+
+
+def largest_requests(limits: RequestLimits) -> list[pb.GenerateRequest | pb.TokenizeRequest]:
+    """Requests at every size limit at once, each prompt form in turn (a request has one): every
+    string of 4-byte characters, every id the longest varint, every number its largest."""
+    sampling = pb.SamplingParams(temperature=3.4e38, top_k=2**32 - 1, top_p=1.0, seed=2**64 - 1, min_p=1.0,
+                                 repetition_penalty=3.4e38, presence_penalty=-3.4e38, frequency_penalty=-3.4e38)
+    rest = dict(
+        request_id=WIDE * MAX_REQUEST_ID_CHARS, max_new_tokens=2**32 - 1, sampling=sampling,
+        stop=[WIDE * (limits.stop_string_bytes // 4)] * limits.stop_strings, ignore_eos=True,
+        cache=pb.CacheOptions(skip_read=True, skip_write=True, salt=WIDE * MAX_SALT_CHARS), min_new_tokens=2**32 - 1,
+        stop_token_ids=[LARGEST_ID] * MAX_STOP_TOKEN_IDS, include_stop_str_in_output=True, logprobs=True,
+        top_logprobs=2**32 - 1, prompt_logprobs=True, n=2**32 - 1, num_beams=2**32 - 1, length_penalty=-3.4e38,
+        early_stopping=True, suppress_token_ids=[LARGEST_ID] * MAX_SUPPRESS_TOKEN_IDS,
+        begin_suppress_token_ids=[LARGEST_ID] * MAX_SUPPRESS_TOKEN_IDS)
+    text = WIDE * (limits.prompt_bytes // 4)
+    # The most messages, their bytes all in the contents (a role counts as its bytes too).
+    per_message = limits.prompt_bytes // MAX_MESSAGES
+    messages = [pb.ChatMessage(role="", content="a" * per_message) for _ in range(MAX_MESSAGES)]
+    ids = [LARGEST_ID] * (limits.context_tokens - 1)
+    return [pb.GenerateRequest(prompt=text, **rest), pb.GenerateRequest(messages=messages, **rest),
+            pb.GenerateRequest(prompt_token_ids=ids, **rest), pb.TokenizeRequest(text=text),
+            pb.TokenizeRequest(messages=messages), pb.TokenizeRequest(token_ids=[LARGEST_ID] * limits.token_ids)]
+
+
+@pytest.mark.parametrize("limits", [
+    RequestLimits(8192, "derived", 16, 1024, context_tokens=1024, token_bytes=8),  # the tiny model's
+    RequestLimits(663552, "derived", 16, 1024, context_tokens=8192, token_bytes=81),  # SmolLM2's
+    RequestLimits(1572864, "derived", 64, 4096, context_tokens=32768, token_bytes=48),  # Gemma 3's, more stops
+    RequestLimits(100, "set by the operator", 1, 1, context_tokens=131072, token_bytes=16),  # ids dominate
+], ids=["tiny", "smollm2", "gemma3", "long-context"])
+def test_the_largest_valid_requests_fit_the_receive_bound(limits):
+    """A worker's gRPC receive bound is ``RequestLimits.message_bytes``: a request at every limit
+    at once, in each prompt form, serializes within it, so the bound refuses no valid request."""
+    for request in largest_requests(limits):
+        assert request.ByteSize() <= limits.message_bytes, (type(request).__name__, request.ByteSize())
+
+
+def test_models_with_an_encoder_leave_the_bound_to_the_message_limit():
+    """Audio and encoder features have no bound in the text limits: the face's --max-message-bytes."""
+    assert RequestLimits(8192, "derived", 16, 1024, audio_seconds=30.0, encoder=True).message_bytes is None

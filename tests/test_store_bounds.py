@@ -17,7 +17,7 @@ import pytest
 from conftest import collect, store_options
 from redis.cluster import RedisCluster
 
-from cachestore.codec import ValueKind, encode, encoded_bytes
+from cachestore.codec import encoded_bytes
 from cachestore.cross import CrossStore
 from cachestore.factory import VALUE_HEADER_ROOM_BYTES, open_store
 from cachestore.keys import block_key, cross_key, lease_key

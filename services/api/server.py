@@ -21,11 +21,12 @@ from cachestore.stats import CacheStats
 from services.api.api_keys import ApiKeys
 from services.api.config import Settings
 from services.api.late_servicer import LOADING, LateServicer
-from services.api.method_handlers import add_generator_to_server
+from services.api.method_handlers import add_generator_to_server, receiving_places, receiving_tickets
 from services.api.metrics import WorkerMetrics, serve_metrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
 from services.engine.kv_connector.fetch_policy import PrefixFetch
+from services.engine.model_front import ModelFront
 from services.engine.run_waits import LeaseOptions
 from services.engine.scheduler import SchedulerOptions
 from services.errors import StartupError, WorkerDied
@@ -33,6 +34,7 @@ from services.runtime.device_arrays import open_device
 from services.runtime.device_choice import DeviceChoice
 from services.serving.announce import announce
 from services.serving.graceful import serve_until_signalled
+from services.serving.port_probe import PortUse, check_free
 from services.serving.readiness import Readiness, watch_reachable
 
 log = logging.getLogger(__name__)
@@ -130,21 +132,11 @@ def check_store(store, password_given: bool) -> None:
                     "prompt until it answers", store.name, type(exc).__name__, exc)
 
 
-def load_engine(settings: Settings) -> Engine:
-    """Raises SecretFileError for an unusable key or secret file, before anything is opened."""
-    # The device first: a CUDA device that cannot be used stops the worker before it connects anywhere.
-    device = open_device(DeviceChoice.parse(settings.device))
-    stats = CacheStats()
+def engine_options(settings: Settings) -> EngineOptions:
+    """Raises SecretFileError for an unusable namespace secret file."""
     secret = (load_secret(settings.cache_namespace_secret_file, "namespace secret")
               if settings.cache_namespace_secret_file else b"")
-    opened_with = store_options(settings)
-    store = open_store(settings.cache_url, opened_with, stats)
-    try:
-        check_store(store, bool(opened_with.password) or url_holds_password(settings.cache_url))
-    except StartupError:
-        store.close()
-        raise
-    options = EngineOptions(
+    return EngineOptions(
         max_new_tokens_cap=settings.max_new_tokens_cap, block_size=settings.block_size, cache_dtype=settings.cache_dtype,
         scheduler=SchedulerOptions(settings.max_batch, settings.max_queued, settings.max_prefill_tokens_per_step,
                                    settings.max_unread_tokens, settings.max_paused_s, settings.max_unread_bytes,
@@ -161,8 +153,24 @@ def load_engine(settings: Settings) -> Engine:
         leases=LeaseOptions(settings.lease_wait_factor, settings.lease_poll_ms, max_ttl_ms=settings.lease_max_ttl_ms),
         prefix_fetch=PrefixFetch(settings.prefix_fetch), window_fetch=settings.window_fetch,
     )
+
+
+def load_engine(settings: Settings, front: ModelFront | None = None) -> Engine:
+    """Raises SecretFileError for an unusable key or secret file, before anything is opened.
+    ``front``: the model folder's, when it was read already."""
+    options = engine_options(settings)
+    # The device first: a CUDA device that cannot be used stops the worker before it connects anywhere.
+    device = open_device(DeviceChoice.parse(settings.device))
+    stats = CacheStats()
+    opened_with = store_options(settings)
+    store = open_store(settings.cache_url, opened_with, stats)
+    try:
+        check_store(store, bool(opened_with.password) or url_holds_password(settings.cache_url))
+    except StartupError:
+        store.close()
+        raise
     engine = Engine.load(settings.model, options, store, stats, device, settings.intra_op_threads,
-                         settings.intra_op_spinning)
+                         settings.intra_op_spinning, front)
     engine.warm_up(settings.prefault_tokens, settings.store_read_threads + settings.store_write_threads + 1)
     return engine
 
@@ -203,9 +211,21 @@ async def serve(settings: Settings) -> None:
     and stops, giving in-flight streams ``drain_s`` seconds to finish."""
     credentials = server_credentials(settings)
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
+    check_free(settings.host, (PortUse(settings.port, "--port", "cannot listen on"),
+                               PortUse(settings.health_port, "--health-port", "cannot listen on"),
+                               PortUse(settings.http_port, "--http-port", "cannot serve HTTP on"),
+                               PortUse(settings.metrics_port, "--metrics-port", "cannot serve metrics on")))
+    # Before the server is built: its receive bound is the largest valid request of this model.
+    model_front = await asyncio.to_thread(ModelFront.read, settings.model, engine_options(settings))
+    largest = model_front.limits.message_bytes
+    message_bytes = min(settings.max_message_bytes, largest or settings.max_message_bytes)
+    log.info("request messages up to %d bytes are read (%s), %d at a time (--max-receiving-bytes %d)", message_bytes,
+             "the largest valid request of this model" if message_bytes < settings.max_message_bytes
+             else "--max-message-bytes", receiving_places(settings.max_receiving_bytes, message_bytes),
+             settings.max_receiving_bytes)
     server = grpc.aio.server(
         options=[
-            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_receive_message_length", message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             # gRPC sets SO_REUSEPORT by default: a second worker on a taken port would start and
             # silently split the calls with the first. Refuse the port instead.
@@ -220,7 +240,8 @@ async def serve(settings: Settings) -> None:
         maximum_concurrent_rpcs=settings.max_concurrent_rpcs or None,
     )
     generator = LateServicer()
-    add_generator_to_server(generator, server, settings.request_read_timeout_s)
+    add_generator_to_server(generator, server, settings.request_read_timeout_s,
+                            receiving_tickets(settings.max_receiving_bytes, message_bytes))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     readiness = Readiness(health_servicer, SERVICE_NAME)
@@ -264,7 +285,7 @@ async def serve(settings: Settings) -> None:
             raise
     try:
         # On a thread: the event loop answers health checks and calls meanwhile.
-        engine = await asyncio.to_thread(load_engine, settings)
+        engine = await asyncio.to_thread(load_engine, settings, model_front)
     except BaseException:
         await _stop_listening(server, health_server, front)
         raise

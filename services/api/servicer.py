@@ -45,8 +45,7 @@ from services.engine.generation import (
     TokenizeResult,
     TokenLogprob,
 )
-from services.engine.input_processor import MAX_STOP_TOKEN_IDS, MAX_SUPPRESS_TOKEN_IDS
-from services.engine.request_limits import MAX_MESSAGES
+from services.engine.request_limits import MAX_MESSAGES, MAX_STOP_TOKEN_IDS, MAX_SUPPRESS_TOKEN_IDS
 from services.engine.sampling import SamplingConfig
 from services.errors import (
     FailedPrecondition,
@@ -263,6 +262,10 @@ class GeneratorServicer(pb_grpc.GeneratorServicer):
             raise Unauthenticated("missing or unknown API key: send the metadata 'authorization: Bearer KEY' "
                                   "with a key the worker's --api-keys-file lists")
         return tenant
+
+    def client(self, context: grpc.aio.ServicerContext) -> str:
+        """Whose fair share an admitted call counts against (``fair_share.client_of``)."""
+        return self._client(context, self._tenant(context))
 
     @staticmethod
     def _client(context: grpc.aio.ServicerContext, tenant: str) -> str:

@@ -48,9 +48,10 @@ from services.engine.generation import (
 from services.engine.input_processor import InputProcessor
 from services.engine.kv_connector.connector import ConnectorOptions, KVConnector
 from services.engine.kv_connector.fetch_policy import PrefixFetch
+from services.engine.model_front import ModelFront
 from services.engine.off_loop import OffLoop
 from services.engine.output_processor import OutputProcessor, StreamEnd
-from services.engine.request_limits import limits_for
+from services.engine.request_limits import RequestLimits, limits_for
 from services.engine.run_waits import PrefillPace
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler
@@ -59,7 +60,7 @@ from services.runtime.chat_template import Message, load_chat_template
 from services.runtime.device_arrays import ArrayDevice
 from services.runtime.generation_config import GenerationDefaults
 from services.runtime.kv_cast import prepare as prepare_casts
-from services.runtime.model_spec import ModelSpec, load_model_spec
+from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
 from services.runtime.slots import batches_rows
@@ -83,7 +84,7 @@ class EngineStats:
 class Engine:
     def __init__(self, spec: ModelSpec, session: DecoderSession, tokenizer: TextTokenizer,
                  options: EngineOptions, store: KVStore, cache_stats: CacheStats,
-                 encoder: EncoderSession | None = None) -> None:
+                 encoder: EncoderSession | None = None, limits: RequestLimits | None = None) -> None:
         if options.block_size >= spec.context_length:
             # It still serves (a model with a tiny context is no error), but the user expects sharing.
             log.warning("--block-size %d is not below the model's context of %d tokens: no prompt can fill a block, "
@@ -141,8 +142,8 @@ class Engine:
         self._tokenize_loop = OffLoop(1, "tokenize-call")
         self.audio_door = Tickets(options.max_audio_requests, "requests with audio", "--max-audio-requests")
         self.tokenize_door = Tickets(options.max_tokenize_requests, "Tokenize calls", "--max-tokenize-requests")
-        self.limits = limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
-                                 options.max_stop_string_bytes, options.max_answer_bytes)
+        self.limits = limits or limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
+                                           options.max_stop_string_bytes, options.max_answer_bytes)
         self.inputs = InputProcessor(spec, session, encoder, tokenizer, self.limits, options.max_new_tokens_cap,
                                      scheduling.max_batch, self._off_loop, self._audio_loop,
                                      (scheduling.max_unread_tokens, scheduling.max_unread_bytes),
@@ -202,14 +203,17 @@ class Engine:
 
     @classmethod
     def load(cls, model_dir: Path, options: EngineOptions, store: KVStore, cache_stats: CacheStats,
-             device: str | ArrayDevice = "auto", intra_op_threads: int = 0, intra_op_spinning: str | None = None) -> Engine:
+             device: str | ArrayDevice = "auto", intra_op_threads: int = 0, intra_op_spinning: str | None = None,
+             front: ModelFront | None = None) -> Engine:
         """``device``: ``--device`` (``device_choice``; a CUDA device that cannot be used raises
-        StartupError), or the arrays themselves."""
-        spec = load_model_spec(model_dir)
+        StartupError), or the arrays themselves. ``front``: the folder's ``ModelFront`` when it was
+        read already (else it is read here)."""
+        front = front or ModelFront.read(model_dir, options)
+        spec = front.spec
         defaults = GenerationDefaults.from_folder(model_dir, spec.vocab_size)
         session = DecoderSession(spec, device, intra_op_threads, intra_op_spinning)
         encoder = EncoderSession(spec, session.device, intra_op_threads, intra_op_spinning) if spec.encoder else None
-        engine = cls(spec, session, TextTokenizer(model_dir / "tokenizer.json"), options, store, cache_stats, encoder)
+        engine = cls(spec, session, front.tokenizer, options, store, cache_stats, encoder, front.limits)
         try:
             engine.inputs.chat_template = load_chat_template(model_dir)
         except (ValueError, TemplateError) as exc:  # JSONDecodeError is a ValueError

@@ -34,7 +34,7 @@ from services.engine.logprobs import MAX_TOP_LOGPROBS
 from services.engine.off_loop import OffLoop
 from services.engine.output_processor import unread_limit
 from services.engine.penalties import LogitsAdjuster
-from services.engine.request_limits import RequestLimits
+from services.engine.request_limits import MAX_STOP_TOKEN_IDS, MAX_SUPPRESS_TOKEN_IDS, RequestLimits
 from services.engine.sampling import Sampler
 from services.engine.sequence import Sequence, SequenceGroup
 from services.engine.stop_matcher import StopMatcher
@@ -52,10 +52,6 @@ from services.runtime.onnx_encoder import EncoderSession
 from services.runtime.tokenizer import TextTokenizer, TooManyTokens
 
 R = TypeVar("R")
-MAX_STOP_TOKEN_IDS = 64
-MAX_SUPPRESS_TOKEN_IDS = 1024
-"""Ids in each of suppress_token_ids and begin_suppress_token_ids: Whisper's default list holds
-about 90; a request is not a way to send a second vocabulary."""
 SUPPRESS_FIELDS = ("suppress_token_ids", "begin_suppress_token_ids")
 
 

@@ -27,6 +27,15 @@ MAX_REQUEST_ID_CHARS = 256
 """A request id is logged with every line about its request: it is an id, not a payload."""
 MAX_SALT_CHARS = 256
 """A cache salt names a group of requests; it is hashed into every block key of the request."""
+MAX_STOP_TOKEN_IDS = 64
+MAX_SUPPRESS_TOKEN_IDS = 1024
+"""Ids in each of suppress_token_ids and begin_suppress_token_ids: Whisper's default list holds
+about 90; a request is not a way to send a second vocabulary."""
+UTF8_CHAR_BYTES = 4
+"""Bytes of one character in UTF-8 at most (a limit counted in characters bounds 4x as many bytes)."""
+SCALAR_FIELDS_BYTES = 512
+"""Bytes of a GenerateRequest's numbers, flags and sampling parameters with their tags, at most (about 30
+fields of at most 11 bytes each)."""
 SHRINKING_TOKENIZER_FACTOR = 4
 MESSAGE_TEMPLATE_BYTES = 256
 """Bytes a chat template is assumed to add around one message when a Tokenize answer's size is
@@ -77,6 +86,8 @@ class RequestLimits:
     answer_bytes: int = 0
     """The largest answer message the face may send (its --max-message-bytes); a Tokenize call whose
     answer could be larger is refused before any work (0: unchecked)."""
+    encoder: bool = False
+    """The model has an encoder: a request may carry its input (audio, features)."""
 
     @property
     def token_ids(self) -> int:
@@ -89,6 +100,28 @@ class RequestLimits:
         message's two fields framed in at most ``FRAMING_BYTES``), or its ids, beside some slack."""
         text = self.prompt_bytes + MAX_MESSAGES * FRAMING_BYTES
         return max(text, self.token_ids * ID_BYTES) + FRAMING_BYTES
+
+    @property
+    def generate_request_bytes(self) -> int | None:
+        """The most bytes a GenerateRequest within these limits can take, for a model without an
+        encoder: its prompt (text, messages or ids, as ``tokenize_request_bytes`` bounds them),
+        stop strings and ids, suppressed ids, request id, salt and scalars, each field framed in at
+        most ``FRAMING_BYTES``. None for a model with an encoder: its requests may carry audio or
+        encoder features, which only the face's message limit bounds."""
+        if self.encoder:
+            return None
+        ids = (MAX_STOP_TOKEN_IDS + 2 * MAX_SUPPRESS_TOKEN_IDS) * ID_BYTES + 3 * FRAMING_BYTES
+        names = (MAX_REQUEST_ID_CHARS + MAX_SALT_CHARS) * UTF8_CHAR_BYTES + 2 * FRAMING_BYTES
+        stops = self.stop_strings * (self.stop_string_bytes + FRAMING_BYTES)
+        return self.tokenize_request_bytes + stops + ids + names + SCALAR_FIELDS_BYTES
+
+    @property
+    def message_bytes(self) -> int | None:
+        """The most bytes any valid request message of a worker with these limits can take (None:
+        ``generate_request_bytes`` is unbounded here); what the face may set as its receive bound,
+        so that a larger message is refused on its length alone, before its bytes are held."""
+        generate = self.generate_request_bytes
+        return None if generate is None else max(generate, self.tokenize_request_bytes)
 
     def check_generation(self, request: GenerationRequest) -> None:
         """Every size of a Generate request, in the order a client would fix them."""
@@ -179,4 +212,4 @@ def limits_for(spec: ModelSpec, tokenizer: TextTokenizer, max_prompt_bytes: int,
              max_stop_strings, max_stop_string_bytes, f", audio up to {audio_seconds:g} s" if audio_seconds else "")
     return RequestLimits(prompt_bytes, origin, max_stop_strings, max_stop_string_bytes, audio_seconds,
                          spec.context_length, (spec.encoder and spec.encoder.context_length) or 0, token_bytes.longest,
-                         answer_bytes)
+                         answer_bytes, spec.encoder is not None)
