@@ -19,6 +19,7 @@ skips them):
 - ``bench.attack_router``: a worker frozen (SIGSTOP) behind ``kvshare route`` with calls in flight;
 - ``bench.attack_leases``: forged (unsigned) and replayed (signed) leases against a victim's prompts;
 - ``bench.attack_stall``: Redis frozen (SIGSTOP) under load, against the documented store-wait bound;
+- ``bench.attack_bodies``: request messages that never end, on a text and an audio worker;
 - ``bench.attack_floods``: Tokenize, audio and HTTP body floods, a two-tenant burst and the door's
   refusal cost, each beside a victim measured idle and under attack.
 
@@ -138,7 +139,7 @@ def probe(t: Target, codes: int) -> int | None:
 
 
 FLEET_ATTACKS = ("bench.attack_door", "bench.attack_router", "bench.attack_leases", "bench.attack_stall",
-                 "bench.attack_floods")
+                 "bench.attack_floods", "bench.attack_bodies")
 
 
 def main() -> int:

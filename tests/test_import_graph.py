@@ -234,6 +234,7 @@ def test_the_walker_sees_nested_and_relative_imports(tmp_path):
 ENGINE_ROOMS = {
     "services.engine.engine": "engine",
     "services.engine.engine_options": "engine",
+    "services.engine.model_front": "engine",
     "services.engine.input_processor": "processors",
     "services.engine.output_processor": "processors",
     "services.engine.scheduler": "scheduler",

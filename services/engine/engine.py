@@ -58,7 +58,6 @@ from services.engine.scheduler import Scheduler
 from services.errors import ModelLoadError
 from services.runtime.chat_template import Message, load_chat_template
 from services.runtime.device_arrays import ArrayDevice
-from services.runtime.generation_config import GenerationDefaults
 from services.runtime.kv_cast import prepare as prepare_casts
 from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_decoder import DecoderSession
@@ -210,7 +209,6 @@ class Engine:
         read already (else it is read here)."""
         front = front or ModelFront.read(model_dir, options)
         spec = front.spec
-        defaults = GenerationDefaults.from_folder(model_dir, spec.vocab_size)
         session = DecoderSession(spec, device, intra_op_threads, intra_op_spinning)
         encoder = EncoderSession(spec, session.device, intra_op_threads, intra_op_spinning) if spec.encoder else None
         engine = cls(spec, session, front.tokenizer, options, store, cache_stats, encoder, front.limits)
@@ -219,7 +217,7 @@ class Engine:
         except (ValueError, TemplateError) as exc:  # JSONDecodeError is a ValueError
             engine.close()
             raise ModelLoadError(f"{model_dir / 'tokenizer_config.json'}: unusable chat template ({exc})") from exc
-        engine.inputs.generation_defaults = defaults
+        engine.inputs.generation_defaults = front.defaults
         return engine
 
     def warm_up(self, prefault_tokens: int, connections: int) -> threading.Thread:
