@@ -7,6 +7,8 @@ waits for a refusal or an answer."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import threading
 import time
@@ -271,3 +273,33 @@ def test_calls_whose_messages_are_arriving_hold_receiving_places(tiny_model):
             assert "the most one client may (1: half of --max-receiving-bytes 131072 over messages of up to 65536 " \
                    "bytes: 2)" in refusals[-1].details(), refusals[-1].details()
         assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).name
+
+
+def test_a_draining_worker_ends_calls_whose_message_has_not_come(tiny_model):
+    """SIGTERM with --drain-s 600: a Generate call whose message never comes holds no work, so the
+    drain ends it UNAVAILABLE at once ("send the request to another replica") rather than waiting
+    600 s for it, and the worker exits by itself (it used to hold its shutdown for the whole drain)."""
+    with WorkerProcess(tiny_model, "--drain-s", "600", "--max-message-bytes", "65536",
+                       "--max-receiving-bytes", "131072") as worker, \
+            grpc.insecure_channel(worker.target) as channel:
+        stub = pb_grpc.GeneratorStub(channel)
+        send = threading.Event()
+
+        def messages():
+            send.wait(300)
+            yield pb.GenerateRequest(prompt="hello", max_new_tokens=2)
+
+        call = channel.stream_stream(GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
+                                     response_deserializer=pb.GenerateResponse.FromString)(messages(), timeout=300)
+        deadline = time.monotonic() + 120  # a failsafe, not a measure: the loop ends on a refusal
+        while not refused(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)):
+            assert time.monotonic() < deadline, "the bodiless call never held its receiving place"
+        try:
+            os.kill(worker.pid, signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as ended:
+                list(call)
+            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
+            assert "shutting down" in ended.value.details()
+            assert worker.wait(120) == 0
+        finally:
+            send.set()

@@ -21,7 +21,8 @@ from cachestore.stats import CacheStats
 from services.api.api_keys import ApiKeys
 from services.api.config import Settings
 from services.api.late_servicer import LOADING, LateServicer
-from services.api.method_handlers import add_generator_to_server, receiving_places, receiving_tickets
+from services.api.message_intake import MessageIntake, receiving_places, receiving_tickets
+from services.api.method_handlers import add_generator_to_server
 from services.api.metrics import WorkerMetrics, serve_metrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
@@ -205,10 +206,12 @@ async def _stop_listening(server: grpc.aio.Server, health_server: grpc.aio.Serve
 
 
 async def serve(settings: Settings) -> None:
-    """Binds its ports, then loads the model (a port in use is refused at once, not after the
-    load; meanwhile health reports NOT_SERVING and calls get UNAVAILABLE); serves until SIGTERM or
-    SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while still accepting calls,
-    and stops, giving in-flight streams ``drain_s`` seconds to finish."""
+    """Probes its ports (a port in use is refused at once), reads the model's spec and tokenizer
+    (its largest valid request is the server's receive bound), binds its ports, then loads the
+    sessions (meanwhile health reports NOT_SERVING and calls get UNAVAILABLE); serves until
+    SIGTERM or SIGINT; then reports NOT_SERVING for ``not_serving_s`` seconds while still accepting
+    calls, ends the calls whose message has not come, and stops, giving in-flight streams
+    ``drain_s`` seconds to finish."""
     credentials = server_credentials(settings)
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
     check_free(settings.host, (PortUse(settings.port, "--port", "cannot listen on"),
@@ -240,8 +243,9 @@ async def serve(settings: Settings) -> None:
         maximum_concurrent_rpcs=settings.max_concurrent_rpcs or None,
     )
     generator = LateServicer()
-    add_generator_to_server(generator, server, settings.request_read_timeout_s,
-                            receiving_tickets(settings.max_receiving_bytes, message_bytes))
+    intake = MessageIntake(settings.request_read_timeout_s,
+                           receiving_tickets(settings.max_receiving_bytes, message_bytes))
+    add_generator_to_server(generator, server, intake)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     readiness = Readiness(health_servicer, SERVICE_NAME)
@@ -314,7 +318,8 @@ async def serve(settings: Settings) -> None:
     engine.scheduler.on_death.append(lambda _: loop.call_soon_threadsafe(died.set))
     if engine.scheduler.died is not None:
         died.set()
-    fatal = await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s, died)
+    fatal = await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s, died,
+                                        intake.drain)
     if store_watch is not None:
         store_watch.cancel()
     if front is not None:

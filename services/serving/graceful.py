@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health
@@ -20,9 +21,11 @@ health watchers NOT_SERVING) before it stops."""
 
 
 async def serve_until_signalled(server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                                not_serving_s: float, drain_s: float, fatal: asyncio.Event | None = None) -> bool:
+                                not_serving_s: float, drain_s: float, fatal: asyncio.Event | None = None,
+                                on_drain: Callable[[], int] | None = None) -> bool:
     """Returns once ``server`` has stopped: ``not_serving_s`` seconds after the signal, then at most
-    ``drain_s`` seconds of draining; or, once ``fatal`` is set, NOT_SERVING at once and stopped
+    ``drain_s`` seconds of draining (as it begins, ``on_drain()`` ends the calls that hold no work
+    and returns how many); or, once ``fatal`` is set, NOT_SERVING at once and stopped
     ``FATAL_GRACE_S`` later. Returns whether ``fatal`` ended it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -42,5 +45,7 @@ async def serve_until_signalled(server: grpc.aio.Server, health_servicer: health
     log.info("shutting down: NOT_SERVING for %.1f s, then draining for up to %.1f s", not_serving_s, drain_s)
     await health_servicer.enter_graceful_shutdown()
     await asyncio.sleep(not_serving_s)
+    if on_drain is not None and (ended := on_drain()):
+        log.info("draining: ended %d calls whose request message had not arrived (UNAVAILABLE)", ended)
     await server.stop(drain_s)
     return False
