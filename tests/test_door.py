@@ -17,11 +17,13 @@ from contextlib import contextmanager
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from test_encoder_audio import CLIP, PROMPT, whisper_audio  # noqa: F401 - the fixture is used here too
 
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.api_keys import key_line
+from services.local.redis_process import free_port
 from services.local.worker_process import WorkerProcess
 
 pytestmark = pytest.mark.subprocess
@@ -253,53 +255,89 @@ def test_a_message_longer_than_any_valid_request_is_refused_on_its_length(tiny_m
             proxy.close()
 
 
+def bodiless_generate(channel: grpc.Channel, send: threading.Event) -> Iterator[pb.GenerateResponse]:
+    """A Generate call whose message is sent only once ``send`` is set."""
+    def messages():
+        send.wait(120)
+        yield pb.GenerateRequest(prompt="late", max_new_tokens=2, ignore_eos=True)
+
+    call = channel.stream_stream(GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
+                                 response_deserializer=pb.GenerateResponse.FromString)
+    return call(messages(), timeout=120)
+
+
 def test_calls_whose_messages_are_arriving_hold_receiving_places(tiny_model):
-    """--max-message-bytes 65536 and --max-receiving-bytes 131072: two calls' messages may be
-    arriving at once, one client's at most one. While one text Generate call of this client waits
-    for its message, its GetModelInfo is refused RESOURCE_EXHAUSTED naming the bound (every method
-    the door gives no place of its own takes one here); once the message came, it is served."""
+    """--max-message-bytes 65536 and --max-receiving-bytes 131072: the fewest receiving places, 4,
+    may have messages arriving at once, one client's at most 2. While two text Generate calls of
+    this client wait for their messages, its next Generate and its health check on the API port
+    are refused RESOURCE_EXHAUSTED naming the bound; GetModelInfo, whose request has no fields, is
+    answered unread; once the messages came, the calls are served."""
     with WorkerProcess(tiny_model, "--max-message-bytes", "65536", "--max-receiving-bytes", "131072") as worker, \
             grpc.insecure_channel(worker.target) as channel:
         stub = pb_grpc.GeneratorStub(channel)
-        held = pb.GenerateRequest(prompt="hello", max_new_tokens=2, ignore_eos=True)
-        refusals: list[grpc.RpcError] = []
-
-        def probe() -> bool:
-            exc = refused(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60))
-            refusals.extend([exc] if exc else [])
-            return exc is not None
-
-        with held_call(channel, GENERATE, held, streaming=True, probe=probe):
-            assert "the most one client may (1: half of --max-receiving-bytes 131072 over messages of up to 65536 " \
-                   "bytes: 2)" in refusals[-1].details(), refusals[-1].details()
-        assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).name
+        probe = pb.GenerateRequest(prompt="hi", max_new_tokens=1)
+        send = threading.Event()
+        held: list = []
+        deadline = time.monotonic() + 120  # a failsafe, not a measure: each step ends on an answer
+        try:
+            while True:
+                held = [c for c in held if not c.done()]
+                held += [bodiless_generate(channel, send) for _ in range(2 - len(held))]
+                exc = refused(lambda: list(stub.Generate(probe, timeout=60)))
+                if exc and not any(c.done() for c in held):
+                    break
+                assert time.monotonic() < deadline, "timed out waiting for the two held calls' places"
+            assert "the most one client may (2: half of --max-receiving-bytes 131072 over messages of up to 65536 " \
+                   "bytes: 4)" in exc.details(), exc.details()
+            health = health_pb2_grpc.HealthStub(channel)
+            assert refused(lambda: health.Check(health_pb2.HealthCheckRequest(), timeout=60)) is not None
+            assert stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60).name
+        finally:
+            send.set()
+        assert all(sum(len(m.token_ids) for m in call) == 2 for call in held)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == health_pb2.HealthCheckResponse.SERVING
 
 
 def test_a_draining_worker_ends_calls_whose_message_has_not_come(tiny_model):
-    """SIGTERM with --drain-s 600: a Generate call whose message never comes holds no work, so the
-    drain ends it UNAVAILABLE at once ("send the request to another replica") rather than waiting
-    600 s for it, and the worker exits by itself (it used to hold its shutdown for the whole drain)."""
-    with WorkerProcess(tiny_model, "--drain-s", "600", "--max-message-bytes", "65536",
-                       "--max-receiving-bytes", "131072") as worker, \
+    """SIGTERM with --drain-s 600: a call whose message never comes holds no work, so the drain
+    ends it UNAVAILABLE at once ("send the request to another replica") rather than waiting 600 s
+    for it, and the worker exits by itself (it used to hold its shutdown for the whole drain). The
+    call is a Tokenize holding one of --max-tokenize-requests 2 (its client's half)."""
+    with WorkerProcess(tiny_model, "--drain-s", "600", "--max-tokenize-requests", "2") as worker, \
             grpc.insecure_channel(worker.target) as channel:
         stub = pb_grpc.GeneratorStub(channel)
         send = threading.Event()
 
         def messages():
             send.wait(300)
-            yield pb.GenerateRequest(prompt="hello", max_new_tokens=2)
+            yield pb.TokenizeRequest(text="late")
 
-        call = channel.stream_stream(GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
-                                     response_deserializer=pb.GenerateResponse.FromString)(messages(), timeout=300)
+        tokenize = channel.stream_unary(TOKENIZE, request_serializer=pb.TokenizeRequest.SerializeToString,
+                                        response_deserializer=pb.TokenizeResponse.FromString)
+        call = tokenize.future(messages(), timeout=300)
         deadline = time.monotonic() + 120  # a failsafe, not a measure: the loop ends on a refusal
-        while not refused(lambda: stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=60)):
-            assert time.monotonic() < deadline, "the bodiless call never held its receiving place"
+        while not refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60)) or call.done():
+            if call.done():  # refused at its own door, a probe having taken the place first: again
+                call = tokenize.future(messages(), timeout=300)
+            assert time.monotonic() < deadline, "the bodiless call never held its place"
         try:
             os.kill(worker.pid, signal.SIGTERM)
-            with pytest.raises(grpc.RpcError) as ended:
-                list(call)
-            assert ended.value.code() == grpc.StatusCode.UNAVAILABLE, ended.value.details()
-            assert "shutting down" in ended.value.details()
+            ended = call.exception(120)
+            assert ended is not None and ended.code() == grpc.StatusCode.UNAVAILABLE, ended
+            assert "shutting down" in ended.details()
             assert worker.wait(120) == 0
         finally:
             send.set()
+
+
+def test_the_health_port_reads_no_request_longer_than_a_service_name(tiny_model):
+    """--health-port serves only grpc.health.v1: a request naming a 64 KiB service is refused on its
+    length (gRPC's default bound would read 4 MiB per call, for any caller, with no place to hold);
+    a probe is answered SERVING."""
+    port = free_port()
+    with WorkerProcess(tiny_model, "--health-port", str(port)) as _, \
+            grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        exc = refused(lambda: health.Check(health_pb2.HealthCheckRequest(service="x" * 65536), timeout=60))
+        assert exc is not None and "larger than max" in exc.details(), exc
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=60).status == health_pb2.HealthCheckResponse.SERVING

@@ -45,10 +45,15 @@ class Oversized:
     details: str
 
 
+MIN_RECEIVING_PLACES = 4
+"""With fewer, two clients could hold every place at their half each, and none could be taken back
+(a place is taken from a client holding more than the newcomer would with one more)."""
+
+
 def receiving_places(budget_bytes: int, message_bytes: int) -> int:
     """Calls whose message may be arriving at once: as many of the largest message as the budget
-    holds, at least one."""
-    return max(1, budget_bytes // message_bytes)
+    holds, at least ``MIN_RECEIVING_PLACES``."""
+    return max(MIN_RECEIVING_PLACES, budget_bytes // message_bytes)
 
 
 def receiving_tickets(budget_bytes: int, message_bytes: int) -> Tickets:
@@ -123,6 +128,10 @@ class MessageIntake:
             for place in places:
                 place.waiting(None)
         if request is grpc.aio.EOF:
+            if context.done():
+                # gRPC ended the call itself, with its own status (a message that decompressed past
+                # the bound): a second status would only be logged as a failed batch, with a traceback.
+                raise asyncio.CancelledError
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
         if isinstance(request, Unparseable | Oversized):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)

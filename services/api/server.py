@@ -22,7 +22,7 @@ from services.api.api_keys import ApiKeys
 from services.api.config import Settings
 from services.api.late_servicer import LOADING, LateServicer
 from services.api.message_intake import MessageIntake, receiving_places, receiving_tickets
-from services.api.method_handlers import add_generator_to_server
+from services.api.method_handlers import add_generator_to_server, add_health_to_server
 from services.api.metrics import WorkerMetrics, serve_metrics
 from services.api.servicer import SERVICE_NAME, GeneratorServicer
 from services.engine.engine import Engine, EngineOptions
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 PASSWORD_ENV = "KVSHARE_CACHE_PASSWORD"
 STREAM_WINDOW_BYTES = 256 * 1024
 """The HTTP/2 window of each call to the API port: what a client may send it before it reads."""
+HEALTH_REQUEST_BYTES = 4096
+"""The longest request the --health-port server reads: a HealthCheckRequest names a service."""
 # --cache-required pings the store every --breaker-backoff-ms, but never more often than this: a
 # backoff of 0 would otherwise ping without pause.
 MIN_STORE_PING_MS = 100.0
@@ -180,8 +182,10 @@ def _health_server(health_servicer: health.aio.HealthServicer) -> grpc.aio.Serve
     """A server holding only the health service: the plaintext port that Kubernetes' gRPC probes
     (which speak no TLS) can reach while the API port speaks TLS. It says SERVING or NOT_SERVING and
     nothing else, the same answers as the API port's own health service."""
-    # A few streams per connection: enough for Check and a Watch or two, never a pile of Watches.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", 8)])
+    # A few streams per connection: enough for Check and a Watch or two, never a pile of Watches;
+    # and no request longer than a service's name needs (gRPC's default would hold 4 MiB per call).
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_concurrent_streams", 8),
+                                      ("grpc.max_receive_message_length", HEALTH_REQUEST_BYTES)])
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     return server
 
@@ -247,7 +251,7 @@ async def serve(settings: Settings) -> None:
                            receiving_tickets(settings.max_receiving_bytes, message_bytes))
     add_generator_to_server(generator, server, intake)
     health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    add_health_to_server(health_servicer, server, intake)
     readiness = Readiness(health_servicer, SERVICE_NAME)
     await readiness.hold(LOADING, server_wide=True)
     if settings.reflection:

@@ -139,7 +139,8 @@ class Engine:
         self._warming: threading.Thread | None = None
         self._audio_loop = OffLoop(options.audio_threads, "audio")
         self._tokenize_loop = OffLoop(1, "tokenize-call")
-        self.audio_door = Tickets(options.max_audio_requests, "requests with audio", "--max-audio-requests")
+        self.audio_door = Tickets(options.max_audio_requests, "requests to this encoder model (audio or features)",
+                                  "--max-audio-requests")
         self.tokenize_door = Tickets(options.max_tokenize_requests, "Tokenize calls", "--max-tokenize-requests")
         self.limits = limits or limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
                                            options.max_stop_string_bytes, options.max_answer_bytes)
@@ -285,7 +286,9 @@ class Engine:
         if not generate:
             return self.tokenize_door.take(client)
         self.scheduler.check_room(client)
-        return self.audio_door.take(client) if self.spec.audio is not None else None
+        # Any request to a model with an encoder may carry audio or encoder features up to the message
+        # limit: each such call holds a place while its message arrives, whatever it turns out to carry.
+        return self.audio_door.take(client) if self.spec.encoder is not None else None
 
     async def tokenize(self, request: TokenizeRequest, shape: Callable[[TokenizeResult], R],
                        ticket: Ticket | None = None, client: str = "") -> R:
