@@ -128,11 +128,14 @@ class MessageIntake:
             for place in places:
                 place.waiting(None)
         if request is grpc.aio.EOF:
-            if context.done():
-                # gRPC ended the call itself, with its own status (a message that decompressed past
-                # the bound): a second status would only be logged as a failed batch, with a traceback.
-                raise asyncio.CancelledError
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+            try:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call carried no request message")
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - gRPC's ExecuteBatchError: it ended the call itself
+                # (a message that decompressed past the bound) and sent its own status; failing with
+                # this error would log a traceback an operator reads as a crash.
+                raise asyncio.CancelledError from exc
         if isinstance(request, Unparseable | Oversized):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.details)
         return request
