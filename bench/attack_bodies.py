@@ -37,19 +37,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from bench.attack_floods import (
-    CLIP,
-    IDLE_RUNS,
-    WHISPER_FIXTURE,
-    MiB,
-    Row,
-    Victim,
-    auth,
-    ids_request,
-    keys_file,
-    whisper_folder,
-)
-from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args, print_table
+from bench.attack_floods import CLIP, WHISPER_FIXTURE, MiB, ids_request, whisper_folder
+from bench.attack_victim import IDLE_RUNS, Row, Victim, auth, keys_file, report
+from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args
 from bench.load import RssSampler
 from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
@@ -210,13 +200,7 @@ def main() -> int:
             rows.append(held_calls(worker, [("Generate", audio)] * count + [("GetModelInfo", info)] * count, victim,
                                    f"audio: {count} x Generate of a {big / MiB:.0f} MiB WAV and {count} x "
                                    f"GetModelInfo of {big / MiB:.0f} MiB, none ever ending"))
-    print_table(f"Request messages that never end (model {model.name}; audio: the Whisper fixture), each beside a "
-                "victim measured idle and under attack in this run",
-                ("attack", "victim TTFT idle → worst (ms)", "victim longest gap idle → worst (ms)",
-                 "worker RSS start→peak→end (+growth) (MiB)", "attackers' statuses", "figures", "verdict"),
-                [row.cells() for row in rows])
-    met = all(row.cells()[-1] == "met" for row in rows)
-    print(f"\nevery attack held: {'yes' if met else 'NO'}")
+    met = report(f"Request messages that never end (model {model.name}; audio: the Whisper fixture)", rows, "attack")
     return exit_code(met, args.smoke)
 
 

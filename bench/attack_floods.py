@@ -50,21 +50,20 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import numpy as np
 
-from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args, print_table
+from bench.attack_victim import IDLE_RUNS, KEYS, Row, Victim, auth, counts, keys_file, quantiles, report
+from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args
 from bench.load import RssSampler
 from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.api_keys import key_line
 from services.local.redis_process import free_port
 from services.local.traffic import FIRST_TOKEN_ID
 from services.local.worker_process import WorkerProcess
@@ -76,10 +75,7 @@ WHISPER_PREPROCESSOR = {  # openai/whisper-tiny.en's preprocessor_config.json (t
     "chunk_length": 30, "feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 80, "hop_length": 160,
     "n_fft": 400, "n_samples": 480000, "nb_max_frames": 3000, "padding_side": "right", "padding_value": 0.0,
     "processor_class": "WhisperProcessor", "return_attention_mask": False, "sampling_rate": 16000}
-KEYS = {t: f"{t}-key-" + str(i) * 32 for i, t in enumerate(("attacker", "victim", "a", "b", "c"), 1)}
 MiB = 1 << 20
-IDLE_RUNS = 5
-RSS_BOUND_MIB = 64
 GRPC_ALLOWED = {"OK", "RESOURCE_EXHAUSTED", "INVALID_ARGUMENT", "UNAUTHENTICATED"}
 HTTP_ALLOWED = {"400", "401", "408", "413", "429", "503"}
 JSON_BOUND = 4 * MiB
@@ -87,121 +83,6 @@ JSON_BOUND = 4 * MiB
 PIECE = 64 * 1024
 SEND_BUFFER = 64 * 1024  # the flood's sockets keep little in flight, so "sent" is close to "read"
 UNLIMITED = (("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1))
-
-
-def auth(tenant: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {KEYS.get(tenant, 'not-a-key')}"),)
-
-
-def keys_file(folder: Path) -> Path:
-    path = folder / "api-keys"
-    path.write_text("".join(key_line(t, k) for t, k in KEYS.items()))
-    return path
-
-
-def counts(statuses: Iterable[str]) -> str:
-    return ", ".join(f"{s} {n}" for s, n in sorted(Counter(statuses).items())) or "-"
-
-
-def quantiles(ms: list[float]) -> tuple[float, float, float]:
-    """p50, p99 and max of ``ms`` (zeros when empty)."""
-    return (float(np.percentile(ms, 50)), float(np.percentile(ms, 99)), max(ms)) if ms else (0.0, 0.0, 0.0)
-
-
-@dataclass(slots=True)
-class Victim:
-    """One client's request (``request_of(run)``), sent again and again on a channel of its own
-    while an attack runs; each run's TTFT and longest gap between messages (ms), or its status."""
-
-    target: str
-    request_of: Callable[[int], pb.GenerateRequest]
-    idle_ttft: float = 0.0
-    idle_gap: float = 0.0
-    runs: list[tuple[float, float]] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    _count: int = 0
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def once(self, stub: pb_grpc.GeneratorStub) -> tuple[float, float] | None:
-        self._count += 1
-        sent, stamps = time.perf_counter(), []
-        try:
-            for _ in stub.Generate(self.request_of(self._count), metadata=auth("victim"), timeout=120):
-                stamps.append(time.perf_counter())
-        except grpc.RpcError as err:
-            self.failed.append(err.code().name)
-            return None
-        return (stamps[0] - sent) * 1e3, float(np.diff(stamps).max() * 1e3) if len(stamps) > 1 else 0.0
-
-    def measure_idle(self, runs: int) -> None:
-        with grpc.insecure_channel(self.target) as channel:
-            stub = pb_grpc.GeneratorStub(channel)
-            self.once(stub)  # the channel's connection and the request's first run are no part of "idle"
-            idle = [r for r in (self.once(stub) for _ in range(runs)) if r]
-        if not idle:
-            raise RuntimeError(f"the victim's request fails on the idle worker: {counts(self.failed)}")
-        self.idle_ttft, self.idle_gap = (float(np.median(v)) for v in zip(*idle, strict=True))
-
-    def _loop(self) -> None:
-        with grpc.insecure_channel(self.target) as channel:
-            stub = pb_grpc.GeneratorStub(channel)
-            while True:  # at least one run, begun once the attack is under way
-                result = self.once(stub)
-                if result:
-                    self.runs.append(result)
-                if self._stop.is_set():
-                    return
-
-    def __enter__(self) -> Victim:
-        self.runs, self.failed = [], []
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def figures(self) -> tuple[str, str, list[str]]:
-        """(TTFT text, gap text, what missed the goal)."""
-        worst = [max(v) for v in zip(*self.runs, strict=True)] if self.runs else [float("inf")] * 2
-        texts, misses = [], []
-        for name, idle, bad in (("TTFT", self.idle_ttft, worst[0]), ("gap", self.idle_gap, worst[1])):
-            texts.append(f"{idle:.0f} → {bad:.0f}")
-            if bad > 3 * idle + 200:
-                misses.append(f"victim {name}")
-        if self.failed:
-            misses.append(f"victim got {counts(self.failed)}")
-        return texts[0], texts[1], misses
-
-
-@dataclass(slots=True)
-class Row:
-    attack: str
-    statuses: list[str]
-    allowed: set[str]
-    figures: str = "-"
-    victim: tuple[str, str, list[str]] | None = None
-    """``Victim.figures()`` of the victim of this attack."""
-    rss: RssSampler | None = None
-    rss_bounded: bool = False
-    misses: list[str] = field(default_factory=list)
-
-    def cells(self) -> tuple:
-        ttft, gap, misses = self.victim or ("-", "-", [])
-        misses = misses + self.misses
-        rss = "-"
-        if self.rss:
-            growth = self.rss.peak[0] - self.rss.start[0]
-            rss = f"{self.rss.text} (+{growth:.0f})"
-            if self.rss_bounded and growth > RSS_BOUND_MIB:
-                misses.append(f"RSS +{growth:.0f} MiB")
-        if set(self.statuses) - self.allowed:
-            misses.append("status " + ", ".join(sorted(set(self.statuses) - self.allowed)))
-        return (self.attack, ttft, gap, rss, counts(self.statuses), self.figures,
-                "met" if not misses else "missed: " + "; ".join(misses))
 
 
 async def at_once(target: str, method: str, requests: list[bytes], metadata, timeout_s: float,
@@ -506,13 +387,7 @@ def main() -> int:
         stack.close()
         worker = stack.enter_context(WorkerProcess(model.folder, *common, "--max-batch", "1", "--max-queued", "1"))
         rows.append(door_cost(worker, door_size, door_rounds, 40 if smoke else 300))
-    print_table(f"Floods against one worker (model {model.name}; audio: the Whisper fixture), each beside a victim "
-                "measured idle and under attack in this run",
-                ("attack", "victim TTFT idle → worst (ms)", "victim longest gap idle → worst (ms)",
-                 "worker RSS start→peak→end (+growth) (MiB)", "attackers' statuses", "figures", "verdict"),
-                [row.cells() for row in rows])
-    held = all(row.cells()[-1] == "met" for row in rows)
-    print(f"\nevery flood held: {'yes' if held else 'NO'}")
+    held = report(f"Floods against one worker (model {model.name}; audio: the Whisper fixture)", rows, "flood")
     return exit_code(held, smoke)
 
 
