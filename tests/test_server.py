@@ -281,6 +281,30 @@ def test_sigterm_reports_not_serving_then_drains(model_dirs):
         assert w.wait(30) == 0  # it exits by itself once drained: SIGTERM was its one signal
 
 
+def test_a_stream_still_running_when_the_drain_ends_gets_a_last_message(tiny_model):
+    """SIGTERM with --drain-s 4: a stream still running a second before the drain ends (its client
+    read one message and then waits until the worker says the drain is ending; meanwhile the stream
+    is paused, its client's window full) is ended by the worker, so the client reads every token
+    sent and a last message with FINISH_REASON_ABORT, as documented, not gRPC's cancel
+    (UNAVAILABLE); the worker logs no traceback and exits 0."""
+    with WorkerProcess(tiny_model, "--drain-s", "4", "--max-paused-s", "600") as w, \
+            grpc.insecure_channel(w.target, options=[("grpc.http2.bdp_probe", 0)]) as channel:
+        request = pb.GenerateRequest(prompt="hello", max_new_tokens=1000, ignore_eos=True, logprobs=True,
+                                     top_logprobs=5)  # ~200 KB of messages: more than the client's 64 KiB window
+        stream = pb_grpc.GeneratorStub(channel).Generate(request, timeout=120)
+        first = next(stream)
+        os.kill(w.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60  # a failsafe, not a measure: the loop ends on the log line
+        while not any("drain ending" in line for line in w.log_lines):
+            assert time.monotonic() < deadline, "the worker never reached its drain's end"
+            time.sleep(0.05)
+        rest = list(stream)
+        assert rest and rest[-1].finish_reason == pb.FINISH_REASON_ABORT, rest[-1:]
+        assert 0 < sum(len(m.token_ids) for m in [first, *rest]) < 1000
+        assert w.wait(60) == 0
+        assert not any("Traceback" in line for line in w.log_lines), "\n".join(w.log_lines)
+
+
 def test_generate_cli_streams_text_and_reports_usage(worker):
     proc = subprocess.run(
         [sys.executable, "-m", "services.cli", "generate", "--target", worker.target, "--max-new-tokens", "8", PROMPT],

@@ -323,7 +323,7 @@ async def serve(settings: Settings) -> None:
     if engine.scheduler.died is not None:
         died.set()
     fatal = await serve_until_signalled(server, health_servicer, settings.not_serving_s, settings.drain_s, died,
-                                        intake.drain)
+                                        intake.drain, engine.end_streams)
     if store_watch is not None:
         store_watch.cancel()
     if front is not None:

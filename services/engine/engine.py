@@ -55,7 +55,7 @@ from services.engine.request_limits import RequestLimits, limits_for
 from services.engine.run_waits import PrefillPace
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler
-from services.errors import ModelLoadError
+from services.errors import ModelLoadError, Overloaded
 from services.runtime.chat_template import Message, load_chat_template
 from services.runtime.device_arrays import ArrayDevice
 from services.runtime.kv_cast import prepare as prepare_casts
@@ -242,6 +242,13 @@ class Engine:
         self._warming = threading.Thread(target=run, name="warm-up", daemon=True)
         self._warming.start()
         return self._warming
+
+    def end_streams(self) -> None:
+        """A draining worker's last second: every stream still running or queued ends now, one
+        that sent tokens with ABORT (what was sent stays valid), so that its client gets a last
+        message rather than the server's cancel."""
+        self.scheduler.end_all(Overloaded("the worker is shutting down: its drain (--drain-s) ended before this "
+                                          "request did; retry on another replica"))
 
     def close(self) -> None:
         # A warm-up still running ONNX Runtime when the interpreter finalizes aborts the process

@@ -73,6 +73,7 @@ class Scheduler(Admission):
         self.life = runner.lifecycle
         self._read_pool = read_pool
         self._closed = False
+        self._ending: BaseException | None = None
         self.died: BaseException | None = None
         """What stopped the scheduler thread (a bug: ``schedule`` raised), once it has."""
         self.on_death: list[Callable[[BaseException], None]] = []
@@ -114,6 +115,13 @@ class Scheduler(Admission):
                 for seq in live:
                     life.finish(seq)
             life.cond.notify()
+
+    def end_all(self, exc: BaseException) -> None:
+        """Ends every request running or queued with ``exc`` at the next planning, and each one
+        submitted later (a worker whose drain is over: a stream that sent tokens ends with ABORT)."""
+        with self.life.cond:
+            self._ending = exc
+            self.life.cond.notify()
 
     def wake(self) -> None:
         """The consumer read a paused sequence's tokens (or a look for blocks ended): plan again."""
@@ -166,6 +174,11 @@ class Scheduler(Admission):
             else:
                 life.stats.aborted += 1
                 life.finish(seq)
+        if self._ending is not None:
+            for seq in [*life.active, *(seq for rows in life.queue for seq in rows)]:
+                if not seq.aborted:
+                    life.fail(seq, self._ending)
+                    life.touch(seq)
         for seq in life.active:
             if seq.phase is Phase.DECODING and not seq.aborted:  # a client may have read since it paused
                 life.set_paused(seq, life.unread_full(seq))
@@ -212,7 +225,8 @@ class Scheduler(Admission):
             or (s.phase is Phase.DECODING and not life.unread_full(s))
             or (s.paused and self._paused_too_long(s))
             for s in life.active
-        ) or self._admittable() is not None or bool(self._yielding()) or bool(self._too_late())
+        ) or (self._ending is not None and bool(life.active or life.queue)) or self._admittable() is not None \
+            or bool(self._yielding()) or bool(self._too_late())
 
     def _idle_timeout(self) -> float | None:
         """Seconds until the earliest paused sequence runs out of patience (``yield_paused_s``
@@ -264,6 +278,7 @@ class Scheduler(Admission):
                     return
                 plan = self.schedule()
                 if plan.empty:
+                    life.deliver()  # what planning failed (a paused stream, the drain's end) goes out now
                     # Only rows waiting for an earlier row's fetch: its end (or any submit, abort
                     # or read) notifies; the bound covers a paused row running out of patience.
                     life.cond.wait(min(self._idle_timeout() or IDLE_RECHECK_S, IDLE_RECHECK_S))

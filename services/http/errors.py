@@ -82,9 +82,9 @@ def from_rpc(err: grpc.aio.AioRpcError) -> ApiError:
     """The HTTP face of a failed gRPC call. A worker's INVALID_ARGUMENT reads ``field: why``:
     the field becomes ``param``; a message over the worker's receive bound is a 413."""
     if err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and (large := _TOO_LARGE.search(err.details() or "")):
-        return ApiError(413, f"the request is {large[1]} bytes as a gRPC message; the worker reads at most {large[2]} "
-                        "(the largest valid request of its model: a longer prompt than it takes, or --max-message-bytes)",
-                        code="request_too_large")
+        return ApiError(413, f"the request is {large[1]} bytes as a gRPC message; the worker reads at most "
+                        f"{large[2]} (the largest valid request of its model, or --max-message-bytes if smaller): "
+                        "shorten the prompt, or raise the worker's --max-prompt-bytes", code="request_too_large")
     status, kind = _STATUS.get(err.code(), (500, "server_error"))
     message = http_name(err.details() or err.code().name)
     param = None

@@ -15,6 +15,8 @@ from grpc_health.v1 import health
 log = logging.getLogger(__name__)
 
 
+FINAL_MESSAGE_S = 1.0
+"""How long before a drain's end the calls still running are ended, to send their last message."""
 FATAL_GRACE_S = 1.0
 """How long a server that can no longer serve gives its calls to receive their statuses (and its
 health watchers NOT_SERVING) before it stops."""
@@ -22,11 +24,14 @@ health watchers NOT_SERVING) before it stops."""
 
 async def serve_until_signalled(server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
                                 not_serving_s: float, drain_s: float, fatal: asyncio.Event | None = None,
-                                on_drain: Callable[[], int] | None = None) -> bool:
+                                on_drain: Callable[[], int] | None = None,
+                                on_drain_end: Callable[[], None] | None = None) -> bool:
     """Returns once ``server`` has stopped: ``not_serving_s`` seconds after the signal, then at most
     ``drain_s`` seconds of draining (as it begins, ``on_drain()`` ends the calls that hold no work
-    and returns how many); or, once ``fatal`` is set, NOT_SERVING at once and stopped
-    ``FATAL_GRACE_S`` later. Returns whether ``fatal`` ended it."""
+    and returns how many; ``FINAL_MESSAGE_S`` before it ends, ``on_drain_end()`` ends the calls
+    still running, so that they send their last message before gRPC cancels what is left); or,
+    once ``fatal`` is set, NOT_SERVING at once and stopped ``FATAL_GRACE_S`` later. Returns whether
+    ``fatal`` ended it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -47,5 +52,12 @@ async def serve_until_signalled(server: grpc.aio.Server, health_servicer: health
     await asyncio.sleep(not_serving_s)
     if on_drain is not None and (ended := on_drain()):
         log.info("draining: ended %d calls whose request message had not arrived (UNAVAILABLE)", ended)
-    await server.stop(drain_s)
+    stopping = asyncio.ensure_future(server.stop(drain_s))
+    if on_drain_end is not None:
+        done, _ = await asyncio.wait({stopping}, timeout=max(drain_s / 2, drain_s - FINAL_MESSAGE_S))
+        if not done:
+            log.info("drain ending: ending the calls still running (a stream that sent tokens ends with "
+                     "FINISH_REASON_ABORT)")
+            on_drain_end()
+    await stopping
     return False
