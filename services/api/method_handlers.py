@@ -70,12 +70,21 @@ def _reader(message_type: type[Message], intake: MessageIntake, client: Callable
     return read
 
 
-def _admitted(behavior: Callable, admit: Callable, door: Callable, read: Callable, streaming: bool) -> Callable:
+def _admitted(behavior: Callable, admit: Callable, door: Callable, read: Callable, streaming: bool,
+              writes: bool = False) -> Callable:
     """``behavior(request, context, place)`` after ``admit(context)`` and ``place = door(context)``
     (either aborts a call it refuses), on the request read only then (``read(context, place)``);
-    the place is released when the call ends. A server-streaming method is an async generator, a
-    unary one a coroutine; both take the request stream gRPC hands a request-streaming handler,
-    and ignore it for ``context.read``."""
+    the place is released when the call ends. A server-streaming method is an async generator (or,
+    ``writes``, a coroutine that sends its responses with ``context.write``: gRPC forbids mixing
+    the two), a unary one a coroutine; all take the request stream gRPC hands a request-streaming
+    handler, and ignore it for ``context.read``."""
+    if streaming and writes:
+        async def written(_requests, context: grpc.aio.ServicerContext) -> None:
+            await admit(context)
+            with await door(context) or contextlib.nullcontext() as place:
+                await behavior(await read(context, place), context, place)
+        return written
+
     if streaming:
         async def stream(_requests, context: grpc.aio.ServicerContext) -> AsyncIterator[Message]:
             await admit(context)
@@ -100,7 +109,8 @@ def _serialize(response: Message | bytes) -> bytes:
 
 def _handlers(service: ServiceDescriptor, behavior: Callable[[str], Callable], admit: Callable,
               door: Callable[[str], Callable], client: Callable, intake: MessageIntake,
-              size_check: Callable[[str], Callable[[int], str | None] | None]) -> dict[str, grpc.RpcMethodHandler]:
+              size_check: Callable[[str], Callable[[int], str | None] | None],
+              writes: bool = False) -> dict[str, grpc.RpcMethodHandler]:
     handlers = {}
     for method in service.methods:
         if method.client_streaming:
@@ -109,7 +119,7 @@ def _handlers(service: ServiceDescriptor, behavior: Callable[[str], Callable], a
         message_type = GetMessageClass(method.input_type)
         handlers[method.name] = make(
             _admitted(behavior(method.name), admit, door(method.name), _reader(message_type, intake, client),
-                      method.server_streaming),
+                      method.server_streaming, writes),
             request_deserializer=lenient_deserializer(message_type, size_check(method.name)),
             response_serializer=_serialize,
         )
@@ -150,8 +160,9 @@ def add_health_to_server(health_servicer: health.aio.HealthServicer, server: grp
         method = getattr(health_servicer, name)
         return lambda request, context, _place: method(request, context)
 
+    # grpc_health's Watch sends with context.write.
     handlers = _handlers(HEALTH, behavior, admit, lambda _: no_place,
-                         lambda context: client_of("", context.peer() or ""), intake, lambda _: None)
+                         lambda context: client_of("", context.peer() or ""), intake, lambda _: None, writes=True)
     _register(server, HEALTH, handlers)
 
 
