@@ -31,33 +31,39 @@ pytestmark = pytest.mark.subprocess
 TOKENIZE, GENERATE = "/kvshare.v1.Generator/Tokenize", "/kvshare.v1.Generator/Generate"
 BIG_TEXT = "lorem ipsum " * 50_000  # 600 KB: seconds of tokenizing, were it read
 AUDIO_BYTES = 20 * 1024 * 1024
+CALL_S = 300
+"""A failsafe on each held call and its message, not a measure: each test ends on an answer."""
+
+
+def bodiless(channel: grpc.Channel, request: pb.GenerateRequest | pb.TokenizeRequest, send: threading.Event,
+             metadata: tuple = ()):
+    """A call whose request message is sent only once ``send`` is set (it goes out as a request
+    stream: on the wire, the same as a unary request that is slow to come): Generate for a
+    GenerateRequest (its responses, an iterator that is also a future), else Tokenize (a future)."""
+    def messages():
+        send.wait(CALL_S)
+        yield request
+
+    serialize = type(request).SerializeToString
+    if isinstance(request, pb.GenerateRequest):
+        call = channel.stream_stream(GENERATE, request_serializer=serialize,
+                                     response_deserializer=pb.GenerateResponse.FromString)
+        return call(messages(), timeout=CALL_S, metadata=metadata)
+    call = channel.stream_unary(TOKENIZE, request_serializer=serialize,
+                                response_deserializer=pb.TokenizeResponse.FromString)
+    return call.future(messages(), timeout=CALL_S, metadata=metadata)
 
 
 @contextmanager
-def held_call(channel: grpc.Channel, method: str, request, streaming: bool,
+def held_call(channel: grpc.Channel, request: pb.GenerateRequest | pb.TokenizeRequest,
               probe: Callable[[], bool]) -> Iterator[threading.Event]:
-    """A call to ``method`` whose request message is sent only once the yielded event is set (the
-    call goes out as a request stream: on the wire, the same as a unary request that is slow to
-    come), yielded once it holds its place: ``probe()``, a call of the same client, is refused. A
-    held call that lost the place to a probe (refused at the door itself) is made again. On
-    leaving, the event is set and the call's outcome awaited."""
+    """A ``bodiless`` call, yielded with its event once it holds its place: ``probe()``, a call of
+    the same client, is refused. A held call that lost the place to a probe (refused at the door
+    itself) is made again. On leaving, the event is set and the call's outcome awaited."""
     deadline = time.monotonic() + 120  # a failsafe, not a measure: each try ends on an answer
     while True:
         send = threading.Event()
-
-        def messages(send=send):
-            send.wait(120)
-            yield request
-
-        serialize = type(request).SerializeToString
-        if streaming:
-            call = channel.stream_stream(method, request_serializer=serialize,
-                                         response_deserializer=pb.GenerateResponse.FromString)
-            outcome = call(messages(), timeout=120)
-        else:
-            call = channel.stream_unary(method, request_serializer=serialize,
-                                        response_deserializer=pb.TokenizeResponse.FromString)
-            outcome = call.future(messages(), timeout=120)
+        outcome = bodiless(channel, request, send)
         while not outcome.done() and not probe():
             assert time.monotonic() < deadline, "timed out waiting for the held call's place"
         if not outcome.done():
@@ -67,7 +73,7 @@ def held_call(channel: grpc.Channel, method: str, request, streaming: bool,
         yield send
     finally:
         send.set()
-        if streaming:
+        if isinstance(request, pb.GenerateRequest):
             assert [m for m in outcome], "the held call was answered once its message came"
         else:
             assert outcome.result().token_ids, "the held call was answered once its message came"
@@ -98,7 +104,7 @@ def test_a_tokenize_flood_is_refused_at_the_door_and_generate_never_waits_behind
         def probe() -> bool:
             return refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60)) is not None
 
-        with held_call(channel, TOKENIZE, pb.TokenizeRequest(text="hello"), streaming=False, probe=probe):
+        with held_call(channel, pb.TokenizeRequest(text="hello"), probe=probe):
             flood = [stub.Tokenize.future(pb.TokenizeRequest(text=BIG_TEXT), timeout=60) for _ in range(20)]
             outcomes = [refused(f.result) for f in flood]
             assert all(outcomes), "every Tokenize of the client holding its place was refused"
@@ -162,7 +168,7 @@ def test_audio_beyond_the_door_is_refused_before_its_body_is_read(whisper_audio)
         held = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=2, ignore_eos=True, encoder_audio=CLIP)
         stub = pb_grpc.GeneratorStub(channel)
         probe = pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=1, encoder_audio=CLIP)
-        with held_call(channel, GENERATE, held, streaming=True,
+        with held_call(channel, held,
                        probe=lambda: refused(lambda: list(stub.Generate(probe, timeout=60))) is not None):
             proxy = CountingProxy(worker.target)
             try:
@@ -177,17 +183,6 @@ def test_audio_beyond_the_door_is_refused_before_its_body_is_read(whisper_audio)
 
 
 KEYS = {name: f"{name}-key-" + str(i) * 32 for i, name in enumerate(("a", "b", "c"))}
-
-
-def bodiless(channel: grpc.Channel, tenant: str, send: threading.Event) -> grpc.Future:
-    """A Tokenize call of ``tenant`` whose message is sent only once ``send`` is set."""
-    def messages():
-        send.wait(120)
-        yield pb.TokenizeRequest(text="late")
-
-    call = channel.stream_unary(TOKENIZE, request_serializer=pb.TokenizeRequest.SerializeToString,
-                                response_deserializer=pb.TokenizeResponse.FromString)
-    return call.future(messages(), timeout=120, metadata=(("authorization", f"Bearer {KEYS[tenant]}"),))
 
 
 def test_places_held_by_calls_whose_bodies_never_come_are_taken_back_for_another_client(tiny_model, tmp_path):
@@ -211,7 +206,8 @@ def test_places_held_by_calls_whose_bodies_never_come_are_taken_back_for_another
             metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
             while True:
                 calls = [c for c in calls if not c.done()]
-                calls += [bodiless(channel, tenant, send) for _ in range(2 - len(calls))]
+                calls += [bodiless(channel, pb.TokenizeRequest(text="late"), send, metadata)
+                          for _ in range(2 - len(calls))]
                 if refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60, metadata=metadata)) \
                         and not any(c.done() for c in calls):
                     return calls
@@ -255,17 +251,6 @@ def test_a_message_longer_than_any_valid_request_is_refused_on_its_length(tiny_m
             proxy.close()
 
 
-def bodiless_generate(channel: grpc.Channel, send: threading.Event) -> Iterator[pb.GenerateResponse]:
-    """A Generate call whose message is sent only once ``send`` is set."""
-    def messages():
-        send.wait(120)
-        yield pb.GenerateRequest(prompt="late", max_new_tokens=2, ignore_eos=True)
-
-    call = channel.stream_stream(GENERATE, request_serializer=pb.GenerateRequest.SerializeToString,
-                                 response_deserializer=pb.GenerateResponse.FromString)
-    return call(messages(), timeout=120)
-
-
 def test_calls_whose_messages_are_arriving_hold_receiving_places(tiny_model):
     """--max-message-bytes 65536 and --max-receiving-bytes 131072: the fewest receiving places, 4,
     may have messages arriving at once, one client's at most 2. While two text Generate calls of
@@ -282,7 +267,8 @@ def test_calls_whose_messages_are_arriving_hold_receiving_places(tiny_model):
         try:
             while True:
                 held = [c for c in held if not c.done()]
-                held += [bodiless_generate(channel, send) for _ in range(2 - len(held))]
+                held += [bodiless(channel, pb.GenerateRequest(prompt="late", max_new_tokens=2, ignore_eos=True), send)
+                         for _ in range(2 - len(held))]
                 exc = refused(lambda: list(stub.Generate(probe, timeout=60)))
                 if exc and not any(c.done() for c in held):
                     break
@@ -307,18 +293,11 @@ def test_a_draining_worker_ends_calls_whose_message_has_not_come(tiny_model):
             grpc.insecure_channel(worker.target) as channel:
         stub = pb_grpc.GeneratorStub(channel)
         send = threading.Event()
-
-        def messages():
-            send.wait(300)
-            yield pb.TokenizeRequest(text="late")
-
-        tokenize = channel.stream_unary(TOKENIZE, request_serializer=pb.TokenizeRequest.SerializeToString,
-                                        response_deserializer=pb.TokenizeResponse.FromString)
-        call = tokenize.future(messages(), timeout=300)
+        call = bodiless(channel, pb.TokenizeRequest(text="late"), send)
         deadline = time.monotonic() + 120  # a failsafe, not a measure: the loop ends on a refusal
         while not refused(lambda: stub.Tokenize(pb.TokenizeRequest(text="hi"), timeout=60)) or call.done():
             if call.done():  # refused at its own door, a probe having taken the place first: again
-                call = tokenize.future(messages(), timeout=300)
+                call = bodiless(channel, pb.TokenizeRequest(text="late"), send)
             assert time.monotonic() < deadline, "the bodiless call never held its place"
         try:
             os.kill(worker.pid, signal.SIGTERM)
