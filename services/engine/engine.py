@@ -51,7 +51,6 @@ from services.engine.kv_connector.fetch_policy import PrefixFetch
 from services.engine.model_front import ModelFront
 from services.engine.off_loop import OffLoop
 from services.engine.output_processor import OutputProcessor, StreamEnd
-from services.engine.request_limits import RequestLimits, limits_for
 from services.engine.run_waits import PrefillPace
 from services.engine.runner import ModelRunner
 from services.engine.scheduler import Scheduler
@@ -59,12 +58,10 @@ from services.errors import ModelLoadError, Overloaded
 from services.runtime.chat_template import Message, load_chat_template
 from services.runtime.device_arrays import ArrayDevice
 from services.runtime.kv_cast import prepare as prepare_casts
-from services.runtime.model_spec import ModelSpec
 from services.runtime.onnx_decoder import DecoderSession
 from services.runtime.onnx_encoder import EncoderSession
 from services.runtime.slots import batches_rows
 from services.runtime.split_rule import EVERY_RUN
-from services.runtime.tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -81,9 +78,9 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, spec: ModelSpec, session: DecoderSession, tokenizer: TextTokenizer,
-                 options: EngineOptions, store: KVStore, cache_stats: CacheStats,
-                 encoder: EncoderSession | None = None, limits: RequestLimits | None = None) -> None:
+    def __init__(self, front: ModelFront, session: DecoderSession, options: EngineOptions, store: KVStore,
+                 cache_stats: CacheStats, encoder: EncoderSession | None = None) -> None:
+        spec, tokenizer = front.spec, front.tokenizer
         if options.block_size >= spec.context_length:
             # It still serves (a model with a tiny context is no error), but the user expects sharing.
             log.warning("--block-size %d is not below the model's context of %d tokens: no prompt can fill a block, "
@@ -142,12 +139,12 @@ class Engine:
         self.audio_door = Tickets(options.max_audio_requests, "requests to this encoder model (audio or features)",
                                   "--max-audio-requests")
         self.tokenize_door = Tickets(options.max_tokenize_requests, "Tokenize calls", "--max-tokenize-requests")
-        self.limits = limits or limits_for(spec, tokenizer, options.max_prompt_bytes, options.max_stop_strings,
-                                           options.max_stop_string_bytes, options.max_answer_bytes)
+        self.limits = front.limits
         self.inputs = InputProcessor(spec, session, encoder, tokenizer, self.limits, options.max_new_tokens_cap,
                                      scheduling.max_batch, self._off_loop, self._audio_loop,
                                      (scheduling.max_unread_tokens, scheduling.max_unread_bytes),
                                      scheduling.stream_interval)
+        self.inputs.generation_defaults = front.defaults
         self.outputs = OutputProcessor(tokenizer, self._off_loop)
         # What tests, benchmarks and metrics read: each room's own object, not a copy.
         self.slots, self.encoder = self.runner.slots, self.runner.encoder
@@ -212,13 +209,12 @@ class Engine:
         spec = front.spec
         session = DecoderSession(spec, device, intra_op_threads, intra_op_spinning)
         encoder = EncoderSession(spec, session.device, intra_op_threads, intra_op_spinning) if spec.encoder else None
-        engine = cls(spec, session, front.tokenizer, options, store, cache_stats, encoder, front.limits)
+        engine = cls(front, session, options, store, cache_stats, encoder)
         try:
             engine.inputs.chat_template = load_chat_template(model_dir)
         except (ValueError, TemplateError) as exc:  # JSONDecodeError is a ValueError
             engine.close()
             raise ModelLoadError(f"{model_dir / 'tokenizer_config.json'}: unusable chat template ({exc})") from exc
-        engine.inputs.generation_defaults = front.defaults
         return engine
 
     def warm_up(self, prefault_tokens: int, connections: int) -> threading.Thread:
