@@ -158,10 +158,11 @@ def engine_options(settings: Settings) -> EngineOptions:
     )
 
 
-def load_engine(settings: Settings, front: ModelFront | None = None) -> Engine:
+def load_engine(settings: Settings, front: ModelFront | None = None, options: EngineOptions | None = None) -> Engine:
     """Raises SecretFileError for an unusable key or secret file, before anything is opened.
-    ``front``: the model folder's, when it was read already."""
-    options = engine_options(settings)
+    ``front`` and ``options``: the model folder's and ``engine_options(settings)``, when they were
+    made already."""
+    options = options or engine_options(settings)
     # The device first: a CUDA device that cannot be used stops the worker before it connects anywhere.
     device = open_device(DeviceChoice.parse(settings.device))
     stats = CacheStats()
@@ -223,7 +224,8 @@ async def serve(settings: Settings) -> None:
                                PortUse(settings.http_port, "--http-port", "cannot serve HTTP on"),
                                PortUse(settings.metrics_port, "--metrics-port", "cannot serve metrics on")))
     # Before the server is built: its receive bound is the largest valid request of this model.
-    model_front = await asyncio.to_thread(ModelFront.read, settings.model, engine_options(settings))
+    options = engine_options(settings)
+    model_front = await asyncio.to_thread(ModelFront.read, settings.model, options)
     largest = model_front.limits.message_bytes
     message_bytes = min(settings.max_message_bytes, largest or settings.max_message_bytes)
     log.info("request messages up to %d bytes are read (%s), %d at a time (--max-receiving-bytes %d)", message_bytes,
@@ -293,7 +295,7 @@ async def serve(settings: Settings) -> None:
             raise
     try:
         # On a thread: the event loop answers health checks and calls meanwhile.
-        engine = await asyncio.to_thread(load_engine, settings, model_front)
+        engine = await asyncio.to_thread(load_engine, settings, model_front, options)
     except BaseException:
         await _stop_listening(server, health_server, front)
         raise
