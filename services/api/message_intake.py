@@ -84,7 +84,7 @@ class MessageIntake:
     async def message(self, context: grpc.aio.ServicerContext, place: Ticket | None,
                       client: Callable[[grpc.aio.ServicerContext], str]) -> Message:
         """The call's message, held by the door's ``place``; a call the door gave none (a text
-        model's Generate, GetModelInfo) takes a receiving place of ``client(context)`` until its
+        model's Generate, a health check) takes a receiving place of ``client(context)`` until its
         message has come, RESOURCE_EXHAUSTED at once when none is free. A call with a place of the
         door needs no other: those places are as few as the calls whose messages may be arriving."""
         if place is not None or self.receiving is None:

@@ -65,9 +65,7 @@ def _reader(message_type: type[Message], intake: MessageIntake, client: Callable
             return empty
         return nothing
 
-    async def read(context: grpc.aio.ServicerContext, place: Ticket | None) -> Message:
-        return await intake.message(context, place, client)
-    return read
+    return functools.partial(intake.message, client=client)
 
 
 def _admitted(behavior: Callable, admit: Callable, door: Callable, read: Callable, streaming: bool,
@@ -150,18 +148,15 @@ def add_health_to_server(health_servicer: health.aio.HealthServicer, server: grp
     has come (a registration of gRPC's own reads it whole first: 40 unfinished 24 MiB checks held
     +800 MiB), and one that does not parse is INVALID_ARGUMENT. No API key: probes carry none."""
 
-    async def admit(_context: grpc.aio.ServicerContext) -> None:
-        return None
-
-    async def no_place(_context: grpc.aio.ServicerContext) -> None:
-        return None
+    async def anyone(_context: grpc.aio.ServicerContext) -> None:
+        """Every health call is admitted, and holds no place of the door's."""
 
     def behavior(name: str) -> Callable:
         method = getattr(health_servicer, name)
         return lambda request, context, _place: method(request, context)
 
     # grpc_health's Watch sends with context.write.
-    handlers = _handlers(HEALTH, behavior, admit, lambda _: no_place,
+    handlers = _handlers(HEALTH, behavior, anyone, lambda _: anyone,
                          lambda context: client_of("", context.peer() or ""), intake, lambda _: None, writes=True)
     _register(server, HEALTH, handlers)
 
