@@ -35,7 +35,7 @@ from services.runtime.device_arrays import open_device
 from services.runtime.device_choice import DeviceChoice
 from services.serving.announce import announce
 from services.serving.graceful import serve_until_signalled
-from services.serving.port_probe import PortUse, check_free
+from services.serving.port_probe import PortUse, check_free, listen
 from services.serving.readiness import Readiness, watch_reachable
 
 log = logging.getLogger(__name__)
@@ -191,16 +191,6 @@ def _health_server(health_servicer: health.aio.HealthServicer) -> grpc.aio.Serve
     return server
 
 
-def _listen(server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None,
-            flag: str) -> int:
-    try:
-        address = f"{host}:{port}"
-        return server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
-    except RuntimeError as exc:  # gRPC's only signal that the bind failed
-        raise StartupError(f"cannot listen on {host}:{port}: the address is in use or not available here; pick "
-                           f"another {flag} (0 picks a free one)") from exc
-
-
 async def _stop_listening(server: grpc.aio.Server, health_server: grpc.aio.Server | None, front) -> None:
     """Closes the ports of a worker whose model did not load."""
     if front is not None:
@@ -219,10 +209,11 @@ async def serve(settings: Settings) -> None:
     ``drain_s`` seconds to finish."""
     credentials = server_credentials(settings)
     keys = ApiKeys.load(settings.api_keys_file) if settings.api_keys_file else None
-    check_free(settings.host, (PortUse(settings.port, "--port", "cannot listen on"),
-                               PortUse(settings.health_port, "--health-port", "cannot listen on"),
-                               PortUse(settings.http_port, "--http-port", "cannot serve HTTP on"),
-                               PortUse(settings.metrics_port, "--metrics-port", "cannot serve metrics on")))
+    api_port = PortUse(settings.port, "--port", "cannot listen on", zero_picks_free=True)
+    health_port = PortUse(settings.health_port, "--health-port", "cannot listen on")
+    metrics_port = PortUse(settings.metrics_port, "--metrics-port", "cannot serve metrics on")
+    http_port = PortUse(settings.http_port, "--http-port", "cannot serve HTTP on")
+    check_free(settings.host, (api_port, health_port, http_port, metrics_port))
     # Before the server is built: its receive bound is the largest valid request of this model.
     options = engine_options(settings)
     model_front = await asyncio.to_thread(ModelFront.read, settings.model, options)
@@ -271,15 +262,15 @@ async def serve(settings: Settings) -> None:
         front = LocalFront(server, HttpLimits.of(settings))
     else:
         front = None
-    port = _listen(server, settings.host, settings.port, credentials, "--port")
+    port = listen(server, settings.host, api_port, credentials)
     if health_server is not None:
-        _listen(health_server, settings.host, settings.health_port, None, "--health-port")
+        listen(health_server, settings.host, health_port)
     registry = None
     if settings.metrics_port:
         try:
             registry = serve_metrics(settings.host, settings.metrics_port)
         except OSError as exc:
-            raise StartupError(f"cannot serve metrics on {settings.host}:{settings.metrics_port}: {exc.strerror}") from exc
+            raise metrics_port.taken(settings.host, exc.strerror or str(exc)) from exc
         log.info("metrics on http://%s:%d/metrics", settings.host, settings.metrics_port)
     await server.start()
     if health_server is not None:
@@ -289,7 +280,7 @@ async def serve(settings: Settings) -> None:
         tls = None if credentials is None else tls_context(settings.tls_cert_file, settings.tls_key_file,
                                                            settings.tls_client_ca_file)
         try:
-            http_port = await front.start(settings.host, settings.http_port, tls)
+            bound_http_port = await front.start(settings.host, http_port, tls)
         except StartupError:
             await _stop_listening(server, health_server, None)  # a front that did not start stopped itself
             raise
@@ -309,8 +300,8 @@ async def serve(settings: Settings) -> None:
             max(settings.breaker_backoff_ms, MIN_STORE_PING_MS) / 1e3, settings.breaker_failures)
     await readiness.release(LOADING)
     if front is not None:
-        # Tests and scripts read this line to learn the port when --http-port 0 was given.
-        announce(f"kvshare http listening on {settings.host}:{http_port}")
+        # Tests and scripts read this line to learn the HTTP port.
+        announce(f"kvshare http listening on {settings.host}:{bound_http_port}")
     # Tests and scripts read this line to learn the port when --port 0 was given (and that the
     # model has loaded: the port is bound, and answers, from before).
     announce(f"kvshare listening on {settings.host}:{port}")

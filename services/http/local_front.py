@@ -12,10 +12,10 @@ from pathlib import Path
 
 import grpc
 
-from services.errors import StartupError
 from services.http.app import HttpFace
 from services.http.limits import HttpLimits
 from services.http.upstream import Upstream
+from services.serving.port_probe import PortUse
 
 
 class LocalFront:
@@ -27,13 +27,13 @@ class LocalFront:
         server.add_insecure_port(target)
         self.face = HttpFace(Upstream(target, limits.max_body_bytes), limits)
 
-    async def start(self, host: str, port: int, tls: ssl.SSLContext | None) -> int:
+    async def start(self, host: str, use: PortUse, tls: ssl.SSLContext | None) -> int:
+        """Serves on ``use``'s port of ``host``; the port bound."""
         try:
-            return await self.face.start(host, port, tls)
+            return await self.face.start(host, use.port, tls)
         except OSError as exc:
             await self.stop()
-            raise StartupError(f"cannot serve HTTP on {host}:{port}: {exc.strerror or exc}; pick another --http-port "
-                               "(0 picks a free one)") from exc
+            raise use.taken(host, exc.strerror or str(exc)) from exc
 
     async def stop(self) -> None:
         await self.face.stop()

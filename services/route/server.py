@@ -27,6 +27,7 @@ from services.route.upstreams import (
 )
 from services.serving.announce import announce
 from services.serving.graceful import serve_until_signalled
+from services.serving.port_probe import PortUse, listen
 
 log = logging.getLogger(__name__)
 
@@ -67,11 +68,7 @@ async def serve(settings: RouteSettings) -> None:
     reflection.enable_server_reflection(
         (GENERATOR_SERVICE, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
-    try:
-        port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-    except RuntimeError as exc:  # gRPC's only signal that the bind failed
-        raise StartupError(f"cannot listen on {settings.host}:{settings.port}: the address is in use or not "
-                           "available here; pick another --port (0 picks a free one)") from exc
+    port = listen(server, settings.host, PortUse(settings.port, "--port", "cannot listen on", zero_picks_free=True))
     front = LocalFront(server, HttpLimits.of(settings)) if settings.http_port else None
     await upstreams.start()
     await server.start()
@@ -79,7 +76,8 @@ async def serve(settings: RouteSettings) -> None:
     announce(f"kvshare listening on {settings.host}:{port}")
     if front is not None:
         try:
-            http_port = await front.start(settings.host, settings.http_port, None)
+            http_use = PortUse(settings.http_port, "--http-port", "cannot serve HTTP on")
+            http_port = await front.start(settings.host, http_use, None)
         except StartupError:
             await server.stop(None)
             await upstreams.close()
