@@ -32,28 +32,17 @@ from pathlib import Path
 import grpc
 import numpy as np
 
+from bench.attack_victim import KEYS, auth, keys_file
 from bench.fleet import INTRA_OP_THREADS, bench_model, parse_args, print_table
 from bench.load import REFUSAL_P99_MS, RssSampler
 from bench.verdict import exit_code
 from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
-from services.api.api_keys import key_line
 from services.local.worker_process import WorkerProcess
 
-KEYS = {"hoarder": "hoarder-key-" + "3" * 32, "victim": "victim-key-" + "4" * 32}
 STREAM_TOKENS = 1500
 HOARD_ARGS = ("--max-batch", "8", "--max-queued", "16", "--max-paused-s", "10")
 NO_WINDOW_GROWTH = (("grpc.http2.bdp_probe", 0),)
-
-
-def auth(tenant: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {KEYS[tenant]}"),)
-
-
-def keys_file(folder: Path) -> Path:
-    path = folder / "api-keys"
-    path.write_text("".join(key_line(t, k) for t, k in KEYS.items()))
-    return path
 
 
 def tokenize_flood(target: str, pid: int, stream_tokens: int) -> tuple:
@@ -126,7 +115,7 @@ def burst(target: str, count: int, words: int, tenant: str = "victim") -> tuple:
     """(refused, p50 / p99 / max refusal ms, served, other statuses, p99 ms). A ``tenant`` without
     a key is refused UNAUTHENTICATED before the engine sees anything: the floor of a refusal."""
     prompt = " ".join(f"word{i}" for i in range(words))
-    metadata = auth(tenant) if tenant in KEYS else (("authorization", "Bearer not-a-key"),)
+    metadata = auth(tenant)
     refusal = "RESOURCE_EXHAUSTED" if tenant in KEYS else "UNAUTHENTICATED"
 
     async def one(stub, i: int) -> tuple[str, float]:

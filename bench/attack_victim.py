@@ -1,5 +1,5 @@
-"""The harness of the flood attacks (``bench.attack_floods``, ``bench.attack_bodies``): the tenants'
-API keys, a victim whose runs are measured idle and under attack, and one table row per attack
+"""The harness of the flood attacks (``bench.attack_floods``, ``bench.attack_bodies``; the keys also
+``bench.attack_door``'s): the tenants' API keys, a victim whose runs are measured idle and under attack, and one table row per attack
 judged against the goals (victim worst ≤ 3 x idle + 200 ms; RSS growth ≤ ``RSS_BOUND_MIB`` where
 bounded; only the allowed statuses)."""
 
@@ -21,7 +21,9 @@ from kvshare.v1 import generator_pb2 as pb
 from kvshare.v1 import generator_pb2_grpc as pb_grpc
 from services.api.api_keys import key_line
 
-KEYS = {t: f"{t}-key-" + str(i) * 32 for i, t in enumerate(("attacker", "victim", "a", "b", "c"), 1)}
+KEYS = {t: f"{t}-key-" + str(i) * 32 for i, t in enumerate(("attacker", "victim", "a", "b", "c", "hoarder"), 1)}
+"""The tenants of the attack benches, each with its API key; ``auth`` of any other sends a key no
+worker knows."""
 IDLE_RUNS = 5
 RSS_BOUND_MIB = 64
 
