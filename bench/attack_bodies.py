@@ -115,12 +115,9 @@ def held_calls(worker: WorkerProcess, calls: list[tuple[str, bytes]], victim: Vi
                                                                   ("grpc.max_send_message_length", -1)])
             channels.append(channel)
             path = f"/kvshare.v1.Generator/{method}"
-            if method == "Generate":
-                futures.append(_StreamFuture(channel.unary_stream(path)(request, metadata=auth("attacker"),
-                                                                         timeout=HOLD_FAILSAFE_S)))
-            else:
-                futures.append(channel.unary_unary(path).future(request, metadata=auth("attacker"),
-                                                                timeout=HOLD_FAILSAFE_S))
+            # A streaming call is a future too (done, code, details), whether or not it is read.
+            call = channel.unary_stream(path) if method == "Generate" else channel.unary_unary(path).future
+            futures.append(call(request, metadata=auth("attacker"), timeout=HOLD_FAILSAFE_S))
         deadline = time.monotonic() + HOLD_FAILSAFE_S
         while not all(f.done() or relay.passed.get(i, 0) >= len(calls[i][1]) - 1024 for i, f in enumerate(futures)):
             if time.monotonic() > deadline:
@@ -146,31 +143,6 @@ def _reason(details: str) -> str:
         if words in details:
             return reason
     return f"other ({details[:60]})"
-
-
-class _StreamFuture:
-    """A server-streaming call read on a thread: ``done`` and ``code`` as a unary future has them."""
-
-    def __init__(self, call) -> None:
-        self._call, self._done = call, threading.Event()
-        threading.Thread(target=self._drain, daemon=True).start()
-
-    def _drain(self) -> None:
-        try:
-            for _ in self._call:
-                pass
-        except grpc.RpcError:
-            pass
-        self._done.set()
-
-    def done(self) -> bool:
-        return self._done.is_set()
-
-    def code(self) -> grpc.StatusCode:
-        return self._call.code()
-
-    def details(self) -> str:
-        return self._call.details()
 
 
 def main() -> int:
